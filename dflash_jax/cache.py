@@ -1,0 +1,46 @@
+"""Caches as pytrees: the target's KV cache and the drafter's context cache.
+
+Rolling back is moving `seq_len`: entries at or beyond it are masked by attention and
+overwritten later, so nothing is ever copied back (DESIGN.md §3).
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    """Per attention layer `k, v: [B, capacity, n_kv, head_dim]`; `seq_len: int32[B]` tokens held."""
+
+    k: tuple
+    v: tuple
+    seq_len: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+
+def init_kv(batch: int, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+    """An empty cache, zero-filled (JAX >= 0.11 `jnp.empty` is uninitialised)."""
+    shape = (batch, capacity, num_kv_heads, head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   seq_len=jnp.zeros((batch,), jnp.int32))
+
+
+def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write `new [B, W, ...]` into `buf [B, S, ...]` at per-row offsets `start [B]`."""
+    chex.assert_equal(buf.shape[0], new.shape[0])
+
+    def one(b, n, s):
+        return jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), s, axis=0)
+
+    return jax.vmap(one)(buf, new, start)

@@ -1,0 +1,1 @@
+"""Pure-functional model code: shared layers, the dense target, the drafter."""

@@ -1,0 +1,128 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+All functions are pure over arrays; weights are stored `[in, out]` (converted in
+`checkpoint.py`), so projections are plain `x @ W`.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import RopeConfig
+from pallas_kernels.windowed_attention import block_attention
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32 and cast back, as Hugging Face Qwen3/Llama do."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies `[head_dim // 2]` and the cos/sin scale for `default`, `llama3`, `yarn`.
+
+    Computed once on the host in float32, following `transformers.modeling_rope_utils`.
+    """
+    base, dim = rope.theta, head_dim
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if rope.rope_type == "default":
+        return inv_freq.astype(np.float32), 1.0
+    orig = rope.get("original_max_position_embeddings") or max_position_embeddings
+    if rope.rope_type == "llama3":
+        factor = rope.get("factor")
+        low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
+        low_wavelen, high_wavelen = orig / low, orig / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if rope.rope_type == "yarn":
+        factor = rope.get("factor") or max_position_embeddings / orig
+        attention_factor = rope.get("attention_factor")
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = get_mscale(factor)
+        beta_fast = rope.get("beta_fast") or 32
+        beta_slow = rope.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rope.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+        extrapolation = 1 - ramp
+        pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv.astype(np.float32), float(attention_factor)
+    raise ValueError(f"rope_type {rope.rope_type!r} is not supported; supported: default, llama3, yarn")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float) -> jax.Array:
+    """Rotate `x [B, T, heads, hd]` (rotate-half layout) at integer `positions [B, T]`."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = (jnp.cos(emb) * scale).astype(x.dtype)[:, :, None, :]
+    sin = (jnp.sin(emb) * scale).astype(x.dtype)[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU MLP with gate and up fused into one `[H, 2F]` projection."""
+    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_down
+
+
+def split_heads(x: jax.Array, head_dim: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
+
+
+def merge_heads(x: jax.Array) -> jax.Array:
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Plain GQA attention with an explicit mask: q `[B,Tq,nh,hd]`, k/v `[B,Tk,nkv,hd]`, mask `[B,Tq,Tk]`.
+
+    Used where the mask is not the cache/block shape of `block_attention` (uncached forward,
+    drafter training). Softmax in float32.
+    """
+    b, tq, nh, hd = q.shape
+    nkv = k.shape[2]
+    qg = q.reshape(b, tq, nkv, nh // nkv, hd)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(b, tq, nh, hd).astype(q.dtype)
+
+
+__all__ = [
+    "apply_rope",
+    "block_attention",
+    "masked_attention",
+    "merge_heads",
+    "rms_norm",
+    "rope_frequencies",
+    "split_heads",
+    "swiglu",
+]

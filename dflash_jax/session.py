@@ -1,0 +1,119 @@
+"""Streaming speculative sessions: the device state lives between calls.
+
+`Session.burst(n)` runs rounds until every row has up to n more tokens (or is done) and
+returns them; `generate` is a session run to the end. The random stream's counter lives in
+the state, so bursts give exactly the tokens of one uninterrupted run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import sampling as smp
+from dflash_jax import speculative as spec
+from dflash_jax.decode import Result, check_capacity, pack_prompts, stop_array, to_lists
+from dflash_jax.nn.dense import Target
+from dflash_jax.nn.drafter import Drafter
+
+
+@dataclasses.dataclass
+class Burst:
+    """What one burst produced: per row the new tokens, and the burst's counts."""
+
+    tokens: list
+    rounds: int
+    drafted: int
+    accepted: int
+    wall_time_s: float
+
+
+def _stats_dict(st: spec.SpecStats) -> dict:
+    st = jax.device_get(st)
+    rounds, committed = int(st.rounds.sum()), int(st.committed.sum())
+    return {
+        "rounds": rounds,
+        "drafted": int(st.drafted.sum()),
+        "accepted": int(st.accepted.sum()),
+        "committed": committed,
+        "acceptance_length": committed / max(rounds, 1),
+        "slot_accepted": st.slot_accepted.sum(axis=0).tolist(),
+        "per_row": {"rounds": st.rounds.tolist(), "accepted": st.accepted.tolist(), "committed": st.committed.tolist()},
+    }
+
+
+class Session:
+    """Speculative decoding of a batch of prompts, resumable burst by burst.
+
+    Args mirror `generate`. `capacity` (cache rows) defaults to what the prompts and
+    `max_new_tokens` need; a prompt that does not fit is refused naming both numbers.
+    `inject` replaces the drafter's proposals (see `speculative.Injected`; tests, benchmarks).
+    """
+
+    def __init__(self, target: Target, drafter: Drafter, prompts, *, max_new_tokens: int, stop_tokens=(),
+                 sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
+                 impl: str = "xla", inject: Optional[spec.Injected] = None):
+        spec.check_drafter(target, drafter)
+        smp.check_speculative(sampling)
+        p = pack_prompts(prompts, target.config.vocab_size)
+        nd = drafter.config.n_drafts
+        cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, nd + 1, capacity)
+        rows = sampling if isinstance(sampling, Sequence) else [sampling]
+        all_greedy = all(s.greedy for s in rows)
+        if inject is not None and not all_greedy:
+            raise ValueError("injected proposals copy the greedy continuation: use temperature 0 with inject=")
+        self.loop = spec.Loop(int(max_new_tokens), p.chunk, all_greedy, rows[0].proposal, impl)
+        self.target, self.drafter = target, drafter
+        self.stop_tokens = stop_array(stop_tokens, target.config.vocab_size)
+        t0 = time.perf_counter()
+        self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
+                                target.init_cache(p.batch, cap), drafter.init_cache(p.batch, cap),
+                                smp.row_params(sampling, p.batch), self.stop_tokens, inject)
+        self._n_seen = np.zeros(p.batch, np.int64)
+        self.prefill_time_s = time.perf_counter() - t0
+        self.wall_time_s = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return bool(jnp.all(self.state.done))
+
+    @property
+    def position(self) -> np.ndarray:
+        """Tokens held per row (prompt + generated tokens committed to the cache)."""
+        return np.asarray(jax.device_get(self.state.cache.seq_len))
+
+    @property
+    def stats(self) -> dict:
+        return _stats_dict(self.state.stats) | {"wall_time_s": self.wall_time_s,
+                                                "prefill_time_s": self.prefill_time_s}
+
+    def burst(self, n: int) -> Burst:
+        """Generate up to `n` more tokens per row; returns them (the first call includes the
+        token chosen at prefill) with this burst's counts."""
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"burst size must be a positive integer; got {n!r}")
+        before = jax.device_get(self.state.stats)
+        s = self.state
+        s = s.replace(limit=jnp.minimum(s.max_new, s.n_out + int(n)))
+        t0 = time.perf_counter()
+        self.state = spec.run(self.loop, self.target, self.drafter, s, self.stop_tokens)
+        out, n_out, after = jax.device_get((self.state.out, self.state.n_out, self.state.stats))
+        dt = time.perf_counter() - t0
+        self.wall_time_s += dt
+        tokens = [out[i, int(self._n_seen[i]): int(n_out[i])].tolist() for i in range(out.shape[0])]
+        self._n_seen = np.asarray(n_out).copy()
+        return Burst(tokens, int((after.rounds - before.rounds).sum()), int((after.drafted - before.drafted).sum()),
+                     int((after.accepted - before.accepted).sum()), dt)
+
+    def run(self) -> Result:
+        """Run to the end; the tokens of every row from the start."""
+        self.burst(int(self.loop.max_new_tokens))
+        out, n_out = jax.device_get((self.state.out, self.state.n_out))
+        stats = self.stats
+        total = int(np.asarray(n_out).sum())
+        stats |= {"generated": total, "tokens_per_s": total / max(self.wall_time_s + self.prefill_time_s, 1e-9)}
+        return Result(to_lists(out, n_out), stats)
