@@ -1,0 +1,109 @@
+"""The `dflash-jax` command: one function per subcommand, registered in `build_parser`."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from dflash_jax import checkpoint
+from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor
+
+_DRAFTER_MARKERS = ("DFlash", "DSpark", "Draft")
+
+
+def is_drafter_config(config: dict) -> bool:
+    """A drafter directory names a draft architecture or carries `dflash_config`/`block_size`."""
+    archs = config.get("architectures") or []
+    return (any(m in a for a in archs for m in _DRAFTER_MARKERS)
+            or "dflash_config" in config or "block_size" in config)
+
+
+def _rope_text(rope) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in rope.params)
+    return f"{rope.rope_type} (theta {rope.theta:g}{', ' + params if params else ''})"
+
+
+def describe_target(cfg: TargetConfig, infos: dict) -> list:
+    """Lines `inspect` prints for a target directory."""
+    n_params = sum(math.prod(i.shape) for n, i in infos.items() if not is_ignorable_target_tensor(n, cfg))
+    return [
+        "kind: target",
+        f"arch: {cfg.arch}",
+        f"layers: {cfg.num_layers}",
+        f"hidden: {cfg.hidden_size}, intermediate: {cfg.intermediate_size}, vocab: {cfg.vocab_size}",
+        f"heads: {cfg.num_heads} query, {cfg.num_kv_heads} kv, head_dim {cfg.head_dim}",
+        f"rope: {_rope_text(cfg.rope)}",
+        f"tied embeddings: {cfg.tie_word_embeddings}",
+        f"attention bias: {cfg.attention_bias}",
+        f"dtype: {cfg.dtype}",
+        f"parameters: {n_params:,}",
+    ]
+
+
+def describe_drafter(cfg: DrafterConfig) -> list:
+    """Lines `inspect` prints for a drafter directory: what the census decided and why."""
+    layers = ", ".join(
+        f"{i}:{'sliding ' + str(w) if w is not None else 'full'}{' causal' if c else ' bidirectional'}"
+        for i, (w, c) in enumerate(zip(cfg.layer_window, cfg.causal))
+    )
+    lines = [
+        "kind: drafter",
+        f"family: {cfg.family}",
+        f"block size: {cfg.block_size}",
+        f"harvest: {cfg.harvest} (draft rows {cfg.first_row}..{cfg.block_size - 1})",
+        f"drafts per round: {cfg.n_drafts}",
+        f"layers: {cfg.num_layers} [{layers}]",
+        f"heads: {cfg.num_heads} query, {cfg.num_kv_heads} kv, head_dim {cfg.head_dim}",
+        f"rope: {_rope_text(cfg.rope)}",
+        f"target layers tapped: {list(cfg.target_layer_ids)}",
+        f"mask token: {cfg.mask_token_id}",
+        f"extra heads: {', '.join(cfg.heads) or 'none'}",
+    ]
+    lines += [f"reason: {r}" for r in cfg.reasons]
+    lines += [f"warning: {w}" for w in cfg.warnings]
+    return lines
+
+
+def cmd_inspect(args) -> int:
+    """Print the census of a target or drafter directory; non-zero with the refusal if we cannot run it."""
+    try:
+        if not is_drafter_config(checkpoint.read_config(args.dir)):
+            cfg, infos = checkpoint.inspect_target(args.dir)
+            print("\n".join(describe_target(cfg, infos)))
+            return 0
+        target = checkpoint.inspect_target(args.target)[0] if args.target else None
+        overrides = {k: v for k, v in (("harvest", args.harvest), ("block_size", args.block_size)) if v is not None}
+        cfg, _ = checkpoint.inspect_drafter(args.dir, target, **overrides)
+    except (CheckpointError, ValueError) as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(describe_drafter(cfg)))
+    if cfg.family not in checkpoint.SUPPORTED_DRAFTER_FAMILIES:
+        print(f"refused: {checkpoint.unsupported_family_message(cfg)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="print what the checkpoint census decided for a directory")
+    p.add_argument("dir", help="a Hugging Face target or drafter checkpoint directory")
+    p.add_argument("--target", help="target directory to check a drafter against")
+    p.add_argument("--harvest", choices=HARVESTS, help="override the census harvest")
+    p.add_argument("--block-size", type=int, help="override the drafter block size")
+    p.set_defaults(func=cmd_inspect)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-jax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_inspect(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""Sampling: filters, counter-based random streams, and lossless rejection sampling.
+
+One set of filters (temperature, top-k, top-p, min-p, in that order) serves plain
+decoding, the drafter's proposals and the target's verification, so p and q are always
+filtered the same way (DESIGN.md §8). Greedy is temperature 0: its filtered distribution
+is one-hot at the argmax, so greedy rows go through the same code as sampled ones and a
+batch may mix both. Everything here is pure jnp over per-row parameter arrays and jits
+with those parameters traced; nothing is jitted at module level, callers jit the round.
+
+Rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft x at slot i is
+accepted with probability min(1, p_i(x) / q_i(x)), slots in order; on the first
+rejection the token is drawn from normalize(max(p_i - q_i, 0)); when every examined
+draft is accepted the bonus token is drawn from p at the next slot. The committed tokens
+are then distributed exactly as the target alone would produce them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence, Union
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+STREAM_DRAFT = 0
+"""`rng_key` stream for the drafter's proposal draws (proposal='sample', selector walk)."""
+STREAM_TARGET = 1
+"""`rng_key` stream for target-side draws: acceptance uniforms, residual, bonus, plain decoding."""
+
+PROPOSALS = ("argmax", "sample")
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """User-facing sampling settings for one sequence; validated on construction.
+
+    temperature: 0 is greedy (argmax); > 0 divides the logits.
+    top_k: keep the k most likely tokens; 0 (or >= vocab size) is off.
+    top_p: nucleus; keep the most likely tokens until their mass reaches top_p; 1 is off.
+    min_p: keep tokens with p >= min_p * p_max; 0 is off.
+    seed: seeds the counter-based random stream (see `rng_key`).
+    repetition_penalty, frequency_penalty, presence_penalty: Hugging Face / OpenAI
+      penalties (see `apply_penalties`); plain decoding only (`check_speculative`).
+    proposal: how the DFlash v1 drafter proposes at T > 0: 'argmax' (one-hot q, the
+      default; coherent blocks, usually more accepted) or 'sample' (each slot drawn
+      independently from its filtered distribution, dense q).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    proposal: str = "argmax"
+
+    def __post_init__(self):
+        _check_real(self, "temperature", lambda v: v >= 0, ">= 0 (0 means greedy)")
+        _check_int(self, "top_k", lambda v: v >= 0, ">= 0 (0 means off)")
+        _check_real(self, "top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 means off)")
+        _check_real(self, "min_p", lambda v: 0 <= v < 1, "in [0, 1) (0 means off)")
+        _check_int(self, "seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)")
+        _check_real(self, "repetition_penalty", lambda v: v > 0, "> 0 (1 means off)")
+        _check_real(self, "frequency_penalty", lambda v: True, "a finite number (0 means off)")
+        _check_real(self, "presence_penalty", lambda v: True, "a finite number (0 means off)")
+        if self.proposal not in PROPOSALS:
+            raise ValueError(
+                f"Sampling.proposal={self.proposal!r} is not a known proposal; "
+                f"valid choices: {', '.join(map(repr, PROPOSALS))}."
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the filtered distribution is one-hot at the argmax."""
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any repetition/frequency/presence penalty is not neutral."""
+        return bool(_active_penalties(self))
+
+
+def _check_real(s: Sampling, name: str, ok, expected: str) -> None:
+    value = getattr(s, name)
+    valid = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and ok(value)
+    )
+    if not valid:
+        raise ValueError(f"Sampling.{name}={value!r} is invalid: expected {expected}.")
+
+
+def _check_int(s: Sampling, name: str, ok, expected: str) -> None:
+    value = getattr(s, name)
+    if not (isinstance(value, int) and not isinstance(value, bool) and ok(value)):
+        raise ValueError(f"Sampling.{name}={value!r} is invalid: expected an integer {expected}.")
+
+
+def _active_penalties(s: Sampling) -> list[str]:
+    neutral = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    return [f"{n}={getattr(s, n)!r}" for n, v in neutral.items() if getattr(s, n) != v]
+
+
+def _as_rows(s: Union[Sampling, Sequence[Sampling]]) -> list[Sampling]:
+    rows = [s] if isinstance(s, Sampling) else list(s)
+    for i, r in enumerate(rows):
+        if not isinstance(r, Sampling):
+            raise ValueError(f"row {i} is a {type(r).__name__}, expected a Sampling.")
+    return rows
+
+
+def check_speculative(s: Union[Sampling, Sequence[Sampling]]) -> None:
+    """Refuse penalties for speculative decoding (as the original does), greedy or sampled.
+
+    A penalty depends on every token generated before a position, so each position of a
+    verify block would need its own counts (anchor + the drafts before it); neither the
+    original nor this library computes them, and applying one count vector to the whole
+    block would silently change the output.
+    """
+    for i, row in enumerate(_as_rows(s)):
+        active = _active_penalties(row)
+        if active:
+            raise ValueError(
+                f"speculative decoding does not support penalties, but row {i} sets "
+                f"{', '.join(active)}; use plain decoding, or the neutral values "
+                "repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0."
+            )
+
+
+@struct.dataclass
+class RowParams:
+    """Per-row sampling parameters as device arrays (a pytree; all fields shape [B])."""
+
+    temperature: jax.Array  # f32[B]; 0 = greedy
+    top_k: jax.Array  # i32[B]; 0 or >= V = off
+    top_p: jax.Array  # f32[B]; 1 = off
+    min_p: jax.Array  # f32[B]; 0 = off
+    seed: jax.Array  # u32[B]
+    repetition_penalty: jax.Array  # f32[B]; 1 = off
+    frequency_penalty: jax.Array  # f32[B]; 0 = off
+    presence_penalty: jax.Array  # f32[B]; 0 = off
+
+
+def row_params(s: Union[Sampling, Sequence[Sampling]], batch: int) -> RowParams:
+    """One Sampling for every row, or one per row (the list must have length `batch`)."""
+    if not (isinstance(batch, int) and batch >= 1):
+        raise ValueError(f"batch={batch!r} is invalid: expected an integer >= 1.")
+    rows = _as_rows(s)
+    if isinstance(s, Sampling):
+        rows = rows * batch
+    if len(rows) != batch:
+        raise ValueError(
+            f"got {len(rows)} Sampling rows for a batch of {batch}; pass one Sampling "
+            f"for all rows or exactly {batch}."
+        )
+
+    def col(name, dtype, fn=lambda v: v):
+        return jnp.asarray([fn(getattr(r, name)) for r in rows], dtype)
+
+    return RowParams(
+        temperature=col("temperature", jnp.float32),
+        top_k=col("top_k", jnp.int32, lambda k: min(k, _INT32_MAX)),
+        top_p=col("top_p", jnp.float32),
+        min_p=col("min_p", jnp.float32),
+        seed=col("seed", jnp.uint32),
+        repetition_penalty=col("repetition_penalty", jnp.float32),
+        frequency_penalty=col("frequency_penalty", jnp.float32),
+        presence_penalty=col("presence_penalty", jnp.float32),
+    )
+
+
+def _per_row(param: jax.Array, like: jax.Array) -> jax.Array:
+    """[B] (or [B, S]) parameters -> broadcastable against `like` [B, ..., V]."""
+    param = jnp.asarray(param)
+    return param.reshape(param.shape + (1,) * (like.ndim - param.ndim))
+
+
+def _top_k_top_p_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Support of top-k then top-p, from one descending sort per row.
+
+    Both filters cut at a value threshold, so ties at the cut are all kept: top-k keeps
+    every token >= the k-th largest logit (as Hugging Face does); top-p keeps a token
+    when the mass of tokens strictly more likely than it is < top_p (the smallest
+    tie-closed set whose mass reaches top_p; always at least the most likely token;
+    Hugging Face agrees except that it splits ties by sort order).
+    """
+    v = z.shape[-1]
+    index_shape = z.shape[:-1] + (1,)
+    s = jnp.sort(z, axis=-1, descending=True)
+    k_index = jnp.broadcast_to(jnp.clip(top_k, 1, v) - 1, index_shape)
+    thr_k = jnp.take_along_axis(s, k_index, axis=-1)
+    thr_k = jnp.where((top_k > 0) & (top_k < v), thr_k, -jnp.inf)
+    s = jnp.where(s >= thr_k, s, -jnp.inf)
+    probs = jax.nn.softmax(s, axis=-1)
+    mass_before = jnp.concatenate(
+        [jnp.zeros_like(probs[..., :1]), jnp.cumsum(probs, axis=-1)[..., :-1]], axis=-1
+    )
+    n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
+    thr_p = jnp.take_along_axis(s, jnp.maximum(n_keep, 1) - 1, axis=-1)
+    thr_p = jnp.where(top_p < 1, thr_p, -jnp.inf)
+    return z >= jnp.maximum(thr_k, thr_p)
+
+
+def _keep_all(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """No row uses top-k or top-p: every token stays (the branch that skips the sort)."""
+    return jnp.ones(z.shape, jnp.bool_)
+
+
+def filtered_logprobs(logits: jax.Array, rp: RowParams) -> jax.Array:
+    """log of the filtered, renormalised distribution; -inf outside its support.
+
+    logits: f32[B, V] or f32[B, S, V]; parameters are per row ([B], or [B, S]).
+    Order: temperature, top-k, top-p, min-p, each on the previous one's renormalised
+    result. Temperature-0 rows are one-hot at the argmax of the raw logits (the first
+    index on ties); the division is guarded so they never produce NaN. The argmax
+    survives every filter, so greedy is the T -> 0 limit of the same filter, not a
+    different rule. The sort behind top-k/top-p is skipped when no row uses either.
+    """
+    x = jnp.asarray(logits, jnp.float32)
+    v = x.shape[-1]
+    t = _per_row(rp.temperature, x)
+    top_k, top_p = _per_row(rp.top_k, x), _per_row(rp.top_p, x)
+    greedy = t == 0
+    z = x / jnp.where(greedy, 1.0, t)
+    needs_sort = jnp.any(~greedy & (((top_k > 0) & (top_k < v)) | (top_p < 1)))
+    keep = jax.lax.cond(needs_sort, _top_k_top_p_keep, _keep_all, z, top_k, top_p)
+    z = jnp.where(keep, z, -jnp.inf)
+    relative = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
+    z = jnp.where(relative >= _per_row(rp.min_p, x), z, -jnp.inf)
+    sampled = jax.nn.log_softmax(z, axis=-1)
+    one_hot = jnp.where(
+        jnp.arange(v) == jnp.argmax(x, axis=-1)[..., None], 0.0, -jnp.inf
+    ).astype(jnp.float32)
+    return jnp.where(greedy, one_hot, sampled)
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, rp: RowParams) -> jax.Array:
+    """Hugging Face repetition penalty, then OpenAI frequency and presence penalties.
+
+    logits f32[B, V]; counts i32[B, V] = occurrences of each token in the history the
+    penalties apply to (Hugging Face counts the prompt too). On seen tokens the
+    repetition penalty divides positive logits and multiplies negative ones; then
+    `logits - frequency * count - presence * (count > 0)`. Neutral values are an exact
+    identity. Apply before `filtered_logprobs` (penalties act on raw logits).
+    """
+    chex.assert_rank(logits, 2)
+    chex.assert_equal_shape([logits, counts])
+    x = jnp.asarray(logits, jnp.float32)
+    seen = counts > 0
+    rep = rp.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x < 0, x * rep, x / rep), x)
+    return (
+        x
+        - rp.frequency_penalty[:, None] * counts.astype(jnp.float32)
+        - rp.presence_penalty[:, None] * seen.astype(jnp.float32)
+    )
+
+
+def rng_key(seed: jax.Array, counter: jax.Array, stream: int) -> jax.Array:
+    """Counter-based keys, one per row: a pure function of (seed, row, counter, stream).
+
+    key[b] = fold_in(fold_in(fold_in(key(seed[b]), b), counter[b]), stream)
+
+    seed u32[B] (from `row_params`); counter [B] or a scalar, advanced by the caller
+    once per use (per round / per decode step) and carried in its state, so a resumed
+    session continues the same stream; stream names the consumer (`STREAM_DRAFT`,
+    `STREAM_TARGET`) so two draws in one round never share a key. Folding in the row
+    index b makes rows with the same seed independent. Returns typed keys [B].
+    """
+    seed = jnp.asarray(seed, jnp.uint32)
+    chex.assert_rank(seed, 1)
+    counter = jnp.broadcast_to(jnp.asarray(counter, jnp.uint32), seed.shape)
+    rows = jnp.arange(seed.shape[0], dtype=jnp.uint32)
+
+    def one(s, row, c):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(s), row), c)
+        return jax.random.fold_in(key, stream)
+
+    return jax.vmap(one)(seed, rows, counter)
+
+
+def sample(logprobs: jax.Array, keys: jax.Array) -> jax.Array:
+    """One token per row from log-probabilities f32[B, V] (-inf never drawn) -> i32[B]."""
+    chex.assert_rank(logprobs, 2)
+    chex.assert_shape(keys, (logprobs.shape[0],))
+    return jax.vmap(jax.random.categorical)(keys, logprobs).astype(jnp.int32)
+
+
+def accept_length(
+    p_draft: jax.Array, q_draft: jax.Array, u: jax.Array, n_valid: jax.Array
+) -> jax.Array:
+    """Leviathan accept walk: leading slots i < n_valid with u_i * q_i < p_i.
+
+    p_draft, q_draft: f32[B, nd] probabilities of each draft under p and q; u: uniforms
+    in [0, 1), f32[B, nd]; n_valid: i32[B] slots that may be examined. `u * q < p` is
+    `u < p / q` without the division: q = 0 with p > 0 accepts, p = 0 always rejects.
+    Returns m i32[B], the number accepted before the first rejection.
+    """
+    chex.assert_rank(p_draft, 2)
+    chex.assert_equal_shape([p_draft, q_draft, u])
+    slot = jnp.arange(p_draft.shape[-1])
+    accepted = (u * q_draft < p_draft) & (slot < n_valid[:, None])
+    return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+@struct.dataclass
+class DenseQ:
+    """Proposal distribution over the whole vocabulary: probs f32[B, nd, V] (filtered q)."""
+
+    probs: jax.Array
+
+
+@struct.dataclass
+class OneHotQ:
+    """Deterministic (argmax) proposals: q is one-hot at each draft, so q(draft) = 1."""
+
+
+@struct.dataclass
+class SparseQ:
+    """Proposal supported on a candidate list: ids i32[B, nd, K], probs f32[B, nd, K].
+
+    Mass outside `ids` is zero (the DFlash2 selector samples among its top-K candidates).
+    """
+
+    ids: jax.Array
+    probs: jax.Array
+
+
+Proposal = Union[DenseQ, OneHotQ, SparseQ]
+
+
+def _q_of(q: Proposal, tokens: jax.Array) -> jax.Array:
+    """q(tokens) for tokens i32[B, nd] -> f32[B, nd]."""
+    if isinstance(q, DenseQ):
+        return jnp.take_along_axis(q.probs, tokens[..., None], axis=-1)[..., 0]
+    if isinstance(q, SparseQ):
+        return jnp.sum(jnp.where(q.ids == tokens[..., None], q.probs, 0.0), axis=-1)
+    return jnp.ones(tokens.shape, jnp.float32)
+
+
+def _q_at_slot(q: Proposal, slot: jax.Array) -> Proposal:
+    """The proposal of one slot per row: fields [B, nd, ...] -> [B, ...]."""
+    rows = jnp.arange(slot.shape[0])
+    return jax.tree_util.tree_map(lambda a: a[rows, slot], q)
+
+
+def _dense_q(q: Proposal, draft: jax.Array, vocab: int) -> jax.Array:
+    """q of one slot per row as f32[B, V] probabilities."""
+    if isinstance(q, DenseQ):
+        return q.probs.astype(jnp.float32)
+    if isinstance(q, SparseQ):
+        rows = jnp.arange(draft.shape[0])[:, None]
+        return jnp.zeros((draft.shape[0], vocab), jnp.float32).at[rows, q.ids].add(q.probs)
+    return jax.nn.one_hot(draft, vocab, dtype=jnp.float32)
+
+
+def residual_logprobs(p_logprobs: jax.Array, q: Proposal, draft: jax.Array) -> jax.Array:
+    """log normalize(max(p - q, 0)): where to draw after rejecting `draft`.
+
+    p_logprobs f32[B, V]; q is the proposal of this slot (DenseQ probs [B, V], OneHotQ,
+    or SparseQ ids/probs [B, K]); draft i32[B] (used by OneHotQ). When p - q has no
+    positive mass (p == q) the result falls back to p. That is exact: a rejection
+    happens with probability sum_x max(q(x) - p(x), 0) = TV(p, q) = 0, so the residual
+    is then never used in exact arithmetic, and p is the right answer to float noise.
+    """
+    chex.assert_rank(p_logprobs, 2)
+    chex.assert_shape(draft, (p_logprobs.shape[0],))
+    p = jnp.exp(p_logprobs.astype(jnp.float32))
+    r = jnp.maximum(p - _dense_q(q, draft, p.shape[-1]), 0.0)
+    total = jnp.sum(r, axis=-1, keepdims=True)
+    residual = jnp.where(r > 0, jnp.log(jnp.where(r > 0, r, 1.0)) - jnp.log(total), -jnp.inf)
+    return jnp.where(total > 0, residual, p_logprobs.astype(jnp.float32))
+
+
+def speculative_accept(
+    p_logprobs: jax.Array,
+    drafts: jax.Array,
+    q: Proposal,
+    vt: jax.Array,
+    keys: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Lossless rejection sampling of one verify block -> (m i32[B], next_token i32[B]).
+
+    p_logprobs f32[B, nd+1, V]: filtered target log-probs; row i scores draft i, row nd
+    is the bonus after all nd drafts. drafts i32[B, nd]; q: DenseQ | OneHotQ | SparseQ
+    (filtered like p); vt i32[B] verify width: at most vt-1 drafts are examined; keys:
+    typed keys [B] (`rng_key(..., STREAM_TARGET)`). Rows accept m drafts; next_token is
+    the residual draw at row m after a rejection, or the bonus from p row m = vt-1 when
+    all examined drafts were accepted. For temperature-0 rows p is one-hot, so m is the
+    number of leading drafts equal to the argmax and next_token the argmax at row m,
+    whatever q is: the same answer as `greedy_accept`.
+    """
+    chex.assert_rank(drafts, 2)
+    b, nd = drafts.shape
+    if nd < 1:
+        raise ValueError(f"speculative_accept needs at least one draft slot, got drafts {drafts.shape}.")
+    chex.assert_shape(p_logprobs, (b, nd + 1, None))
+    chex.assert_shape([vt, keys], (b,))
+    n_valid = jnp.clip(vt - 1, 0, nd).astype(jnp.int32)
+    p_draft = jnp.exp(jnp.take_along_axis(p_logprobs[:, :nd], drafts[..., None], axis=-1)[..., 0])
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0), (nd,)))(keys)
+    m = accept_length(p_draft, _q_of(q, drafts), u, n_valid)
+
+    rows = jnp.arange(b)
+    p_m = p_logprobs[rows, m].astype(jnp.float32)
+    slot = jnp.minimum(m, nd - 1)
+    residual = residual_logprobs(p_m, _q_at_slot(q, slot), drafts[rows, slot])
+    logprobs = jnp.where((m < n_valid)[:, None], residual, p_m)
+    next_token = sample(logprobs, jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))
+    return m, next_token
+
+
+def greedy_accept(
+    target_argmax: jax.Array, drafts: jax.Array, vt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The all-greedy fast path -> (m i32[B], next_token i32[B]).
+
+    m = sum(cumprod(draft == argmax)) over the first vt-1 slots; next_token = argmax at
+    row m (the correction after a mismatch, or the bonus). Equal to `speculative_accept`
+    on temperature-0 rows, without materialising p.
+    """
+    chex.assert_rank(drafts, 2)
+    b, nd = drafts.shape
+    chex.assert_shape(target_argmax, (b, nd + 1))
+    chex.assert_shape(vt, (b,))
+    valid = jnp.arange(nd) < jnp.clip(vt - 1, 0, nd)[:, None]
+    match = (drafts == target_argmax[:, :nd]) & valid
+    m = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+    return m, jnp.take_along_axis(target_argmax, m[:, None], axis=-1)[:, 0].astype(jnp.int32)
