@@ -35,13 +35,15 @@ class Burst:
 def _stats_dict(st: spec.SpecStats) -> dict:
     st = jax.device_get(st)
     rounds, committed = int(st.rounds.sum()), int(st.committed.sum())
+    hist = st.accept_hist.sum(axis=0)
     return {
         "rounds": rounds,
         "drafted": int(st.drafted.sum()),
         "accepted": int(st.accepted.sum()),
         "committed": committed,
         "acceptance_length": committed / max(rounds, 1),
-        "slot_accepted": st.slot_accepted.sum(axis=0).tolist(),
+        "accept_hist": hist.tolist(),
+        "slot_accepted": np.cumsum(hist[::-1])[::-1][1:].tolist(),
         "per_row": {"rounds": st.rounds.tolist(), "accepted": st.accepted.tolist(), "committed": st.committed.tolist()},
     }
 
@@ -92,13 +94,13 @@ class Session:
                                                 "prefill_time_s": self.prefill_time_s}
 
     def burst(self, n: int) -> Burst:
-        """Generate up to `n` more tokens per row; returns them (the first call includes the
-        token chosen at prefill) with this burst's counts."""
+        """Return up to `n` more tokens per row (the first burst's include the token chosen at
+        prefill), with this burst's counts."""
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"burst size must be a positive integer; got {n!r}")
         before = jax.device_get(self.state.stats)
         s = self.state
-        s = s.replace(limit=jnp.minimum(s.max_new, s.n_out + int(n)))
+        s = s.replace(limit=jnp.minimum(s.max_new, jnp.asarray(self._n_seen + int(n), jnp.int32)))
         t0 = time.perf_counter()
         self.state = spec.run(self.loop, self.target, self.drafter, s, self.stop_tokens)
         out, n_out, after = jax.device_get((self.state.out, self.state.n_out, self.state.stats))

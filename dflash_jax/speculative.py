@@ -33,14 +33,14 @@ from dflash_jax.nn.drafter import Drafter
 @struct.dataclass
 class SpecStats:
     """Per-row counters. rounds: rounds run; drafted: drafts examined (sum of vt-1);
-    accepted: drafts accepted; committed: tokens committed by rounds; slot_accepted:
-    int32[B, nd], how often slot i was accepted."""
+    accepted: drafts accepted; committed: tokens committed by rounds; accept_hist:
+    int32[B, nd + 1], how many rounds accepted exactly m drafts."""
 
     rounds: jax.Array
     drafted: jax.Array
     accepted: jax.Array
     committed: jax.Array
-    slot_accepted: jax.Array
+    accept_hist: jax.Array
 
 
 @struct.dataclass
@@ -128,7 +128,7 @@ class Loop:
         out, n_out, _, stopped = commit(out, zeros, first[:, None], zeros + 1, jnp.zeros((b,), bool), stop_tokens,
                                         max_new)
         done = stopped | (n_out >= max_new)
-        stats = SpecStats(zeros, zeros, zeros, zeros, jnp.zeros((b, nd), jnp.int32))
+        stats = SpecStats(zeros, zeros, zeros, zeros, jnp.zeros((b, nd + 1), jnp.int32))
         return SpecState(out=out, n_out=n_out, anchor=first, done=done, limit=max_new, max_new=max_new, cache=cache,
                          dcache=dcache, vt=zeros + nd + 1, counter=zeros + 1, rp=rp, stats=stats, inject=inject)
 
@@ -191,7 +191,7 @@ class Loop:
         st = s.stats
         stats = SpecStats(rounds=st.rounds + a, drafted=st.drafted + a * (s.vt - 1), accepted=st.accepted + a * m,
                           committed=st.committed + kept,
-                          slot_accepted=st.slot_accepted + a[:, None] * (slots[:, :nd] < m[:, None]))
+                          accept_hist=st.accept_hist + a[:, None] * (slots == m[:, None]))
         return s.replace(out=out, n_out=n_out, anchor=anchor, done=done, cache=cache.replace(seq_len=seq_len),
                          dcache=dcache, counter=s.counter + a, stats=stats)
 

@@ -48,7 +48,8 @@ class Drafter:
 
 @functools.lru_cache(maxsize=None)
 def _rope(cfg: DrafterConfig) -> tuple[np.ndarray, float]:
-    return rope_frequencies(cfg.rope, cfg.head_dim, 1 << 20)
+    # the census fills original_max_position_embeddings for scaled ropes, so no limit is needed here
+    return rope_frequencies(cfg.rope, cfg.head_dim, 0)
 
 
 def _kv(lp: dict, cfg: DrafterConfig, x: jax.Array, positions: jax.Array):

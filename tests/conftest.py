@@ -1,0 +1,46 @@
+"""Tiny random models shared by the tests (float32, CPU)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.checkpoint import drafter_param_shapes, target_param_shapes
+from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig
+from dflash_jax.nn.dense import Target
+from dflash_jax.nn.drafter import Drafter
+
+
+def random_params(shapes, seed: int, scale: float = 0.2):
+    """Normal weights for a shape pytree: norm weights near 1, biases small, matrices `scale`."""
+    rng = np.random.RandomState(seed)
+
+    def leaf(path, shape):
+        w = rng.randn(*shape).astype(np.float32)
+        if "norm" in jax.tree_util.keystr(path):
+            return jnp.asarray(1.0 + 0.1 * w)
+        return jnp.asarray((0.1 if len(shape) == 1 else scale) * w)
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 3, hidden: int = 32) -> Target:
+    cfg = TargetConfig(arch="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                       rope=RopeConfig(10000.0), max_position_embeddings=1024)
+    return Target(cfg, random_params(target_param_shapes(cfg), seed))
+
+
+def tiny_drafter(target: Target, block_size: int, seed: int = 1, windows=(None, None), causal=(False, False),
+                 tap_ids=(0, 2)) -> Drafter:
+    tc = target.config
+    cfg = DrafterConfig(family="dflash", hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                        num_layers=len(windows), num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                        rope=RopeConfig(10000.0), block_size=block_size, mask_token_id=tc.vocab_size - 1,
+                        target_layer_ids=tuple(tap_ids), layer_window=tuple(windows), causal=tuple(causal),
+                        vocab_size=tc.vocab_size)
+    return Drafter(cfg, random_params(drafter_param_shapes(cfg), seed))
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_target()

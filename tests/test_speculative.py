@@ -1,0 +1,136 @@
+"""Greedy speculative decoding is lossless: token-identical to plain greedy decoding.
+
+Random drafters accept almost nothing, so the loop is also driven with injected proposals
+(the plain greedy continuation with a wrong token at a chosen slot), which reach every
+acceptance length 0..nd.
+"""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax
+from dflash_jax import speculative as spec
+from conftest import tiny_drafter
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(12, 40))]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return dflash_jax.generate(target, None, PROMPTS, max_new_tokens=MAX_NEW).tokens
+
+
+def _inject(plain_tokens, nd, first_wrong):
+    """Proposals copied from the plain continuation; `first_wrong[k]` = P(first wrong slot is k)."""
+    ref = np.zeros((len(plain_tokens), MAX_NEW + nd + 2), np.int32)
+    for i, row in enumerate(plain_tokens):
+        ref[i, : len(row)] = row
+    probs = np.asarray(first_wrong, np.float32)
+    return spec.Injected(jnp.asarray(ref), jnp.asarray(probs / probs.sum()))
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_speculative_equals_plain_for_block_sizes(target, plain, block_size):
+    drafter = tiny_drafter(target, block_size)
+    out = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
+    assert out.tokens == plain, f"block size {block_size}: speculative output differs from plain greedy"
+    assert out.stats["rounds"] > 0 and out.stats["acceptance_length"] >= 1.0
+
+
+def test_batch_of_one_equals_plain(target, plain):
+    out = dflash_jax.generate(target, tiny_drafter(target, 4), PROMPTS[2:], max_new_tokens=MAX_NEW)
+    assert out.tokens == plain[2:]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["sliding_causal", "sliding_symmetric"])
+def test_sliding_window_drafter_with_context_longer_than_window(target, plain, causal):
+    """Window 4 < prompt lengths up to 28: the window is applied, not refused."""
+    drafter = tiny_drafter(target, 8, windows=(4, None), causal=(causal, False))
+    nd = drafter.config.n_drafts
+    out = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
+    assert out.tokens == plain
+    injected = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW,
+                                  inject=_inject(plain, nd, [1] * (nd + 1))).run()
+    assert injected.tokens == plain
+
+
+def test_injected_proposals_reach_every_acceptance_length_and_stay_exact(target, plain):
+    drafter = tiny_drafter(target, 8)
+    nd = drafter.config.n_drafts
+    out = dflash_jax.Session(target, drafter, PROMPTS * 4, max_new_tokens=MAX_NEW,
+                             inject=_inject(plain * 4, nd, [1] * (nd + 1))).run()
+    assert out.tokens == plain * 4, "output must not depend on what was proposed"
+    hist = out.stats["accept_hist"]
+    assert all(h > 0 for h in hist), f"every acceptance length 0..{nd} must occur; histogram {hist}"
+
+
+@pytest.mark.parametrize("wrong_slot, tau", [(0, 1.0), (3, 4.0), (None, 8.0)])
+def test_acceptance_length_follows_the_first_wrong_slot(target, plain, wrong_slot, tau):
+    drafter = tiny_drafter(target, 8)
+    nd = drafter.config.n_drafts
+    probs = np.zeros(nd + 1)
+    probs[nd if wrong_slot is None else wrong_slot] = 1
+    out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW,
+                             inject=_inject(plain, nd, probs)).run()
+    assert out.tokens == plain
+    hist = np.asarray(out.stats["accept_hist"])
+    accepted = nd if wrong_slot is None else wrong_slot
+    # every round accepts `accepted` drafts except a last one cut short by max_new_tokens
+    assert hist[accepted] >= out.stats["rounds"] - len(PROMPTS), f"histogram {hist.tolist()}"
+    assert out.stats["acceptance_length"] == pytest.approx(tau, rel=0.25)
+
+
+def test_stop_token_inside_an_accepted_span(target, plain):
+    drafter = tiny_drafter(target, 8)
+    nd = drafter.config.n_drafts
+    stop = plain[0][5]  # the 6th token: mid-block when every draft is accepted
+    expected = [row[: row.index(stop) + 1] if stop in row else row for row in plain]
+    out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_tokens=[stop],
+                             inject=_inject(plain, nd, [0] * nd + [1])).run()
+    assert out.tokens == expected
+
+
+def test_max_new_tokens_ending_mid_block(target, plain):
+    drafter = tiny_drafter(target, 8)
+    nd = drafter.config.n_drafts
+    out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=11,
+                             inject=_inject(plain, nd, [0] * nd + [1])).run()
+    assert out.tokens == [row[:11] for row in plain]
+
+
+def test_session_bursts_equal_one_generate_call(target, plain):
+    drafter = tiny_drafter(target, 4)
+    nd = drafter.config.n_drafts
+    inject = _inject(plain, nd, [1] * (nd + 1))
+    whole = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=inject).run()
+    session = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=inject)
+    got = [[] for _ in PROMPTS]
+    sizes = []
+    while not session.finished:
+        burst = session.burst(5)
+        sizes.append(max(len(t) for t in burst.tokens))
+        for row, new in zip(got, burst.tokens):
+            row.extend(new)
+    assert got == whole.tokens == plain
+    assert max(sizes) <= 5, f"a burst must not return more than n tokens per row; sizes {sizes}"
+    np.testing.assert_array_equal(session.position, [len(p) + MAX_NEW - 1 for p in PROMPTS])
+
+
+def test_session_refuses_prompt_beyond_capacity(target):
+    with pytest.raises(ValueError, match=r"capacity 32 is too small.*needs 4[0-9]"):
+        dflash_jax.Session(target, tiny_drafter(target, 4), [list(range(1, 30))], max_new_tokens=8, capacity=32)
+
+
+def test_drafter_that_does_not_fit_the_target_is_refused(target):
+    drafter = tiny_drafter(target, 4, tap_ids=(0, 7))
+    with pytest.raises(ValueError, match=r"target_layer_ids \[0, 7\] name layers \[7\]"):
+        dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=4)
+
+
+def test_propose_returns_the_drafters_block(target):
+    drafter = tiny_drafter(target, 8)
+    p = dflash_jax.propose(target, drafter, PROMPTS)
+    nd, v = drafter.config.n_drafts, target.config.vocab_size
+    assert p.tokens.shape == (3, nd) and p.logits.shape == (3, nd, v) and p.logits.dtype == np.float32
+    np.testing.assert_array_equal(p.tokens, p.logits.argmax(-1))
