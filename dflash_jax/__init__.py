@@ -7,6 +7,7 @@
 from dflash_jax.api import Proposal, load_drafter, load_target, propose
 from dflash_jax.config import CheckpointError, DrafterConfig, TargetConfig
 from dflash_jax.decode import Result
+from dflash_jax.demo import Demo, load_demo
 from dflash_jax.generate import generate
 from dflash_jax.nn.dense import Target
 from dflash_jax.nn.drafter import Drafter
@@ -17,6 +18,6 @@ from dflash_jax.speculative import Injected
 __version__ = "0.1.0"
 
 __all__ = [
-    "Burst", "CheckpointError", "Drafter", "DrafterConfig", "Injected", "Proposal", "Result", "Sampling", "Session",
+    "Burst", "CheckpointError", "Demo", "load_demo", "Drafter", "DrafterConfig", "Injected", "Proposal", "Result", "Sampling", "Session",
     "Target", "TargetConfig", "generate", "load_drafter", "load_target", "propose",
 ]

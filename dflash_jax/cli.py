@@ -93,10 +93,105 @@ def _add_inspect(sub) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
+def _stream(session, tokenizer, out) -> list:
+    """Run a one-row session burst by burst, printing text as it is committed."""
+    tokens, shown = [], ""
+    while not session.finished:
+        tokens += session.burst(session.drafter.config.block_size).tokens[0]
+        text = tokenizer.decode(tokens)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
+    out.write(tokenizer.decode(tokens)[len(shown):] + "\n")
+    return tokens
+
+
+def _sampling(args):
+    from dflash_jax.sampling import Sampling
+
+    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    """Speculative generation from a prompt, streamed; the bundled demo pair by default."""
+    import time
+
+    import dflash_jax
+    from dflash_jax.demo import load_demo, load_tokenizer
+
+    if (args.target is None) != (args.drafter is None):
+        print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
+        return 2
+    try:
+        sampling = _sampling(args)
+        overrides = {"block_size": args.block_size} if args.block_size else {}
+        if args.target is None:
+            demo = load_demo(args.dtype, **overrides)
+            tokenizer, target, drafter = demo.tokenizer, demo.target, demo.drafter
+        else:
+            target = dflash_jax.load_target(args.target, args.dtype)
+            tokenizer = load_tokenizer(args.target)
+            drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, **overrides)
+        text = args.prompt if args.prompt is not None else sys.stdin.read()
+        ids = tokenizer.encode(text).ids
+        stops = target.config.eos_token_ids
+        session = dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
+                                     sampling=sampling)
+    except (CheckpointError, ValueError) as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    tokens = _stream(session, tokenizer, sys.stdout)
+    st = session.stats
+    tps = len(tokens) / max(st["wall_time_s"], 1e-9)
+    print(f"[speculative] {len(tokens)} tokens, acceptance length {st['acceptance_length']:.2f}, "
+          f"{tps:.1f} tokens/s, {st['rounds']} rounds (block size {drafter.config.block_size}; "
+          f"first call includes compilation)", file=sys.stderr)
+    if args.compare:
+        dflash_jax.generate(target, None, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
+                            sampling=sampling)  # compile once, so the timing below is decoding only
+        t0 = time.perf_counter()
+        plain = dflash_jax.generate(target, None, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
+                                    sampling=sampling)
+        plain_s = time.perf_counter() - t0
+        again = dflash_jax.generate(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
+                                    sampling=sampling)
+        spec_s = again.stats["wall_time_s"]
+        same = plain.tokens[0] == again.tokens[0]
+        verdict = "identical" if same else ("differ (expected when sampling: same distribution, other draws)"
+                                            if not sampling.greedy else "DIFFER")
+        print(f"[compare] plain {len(plain.tokens[0]) / plain_s:.1f} tokens/s, speculative "
+              f"{len(again.tokens[0]) / spec_s:.1f} tokens/s, speedup {plain_s / spec_s:.2f}x; outputs {verdict}",
+              file=sys.stderr)
+        if sampling.greedy and not same:
+            return 1
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative generation (the bundled demo pair unless --target/--drafter)")
+    p.add_argument("--prompt", help="prompt text (default: read standard input)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, help="drafter block size (default: the checkpoint's)")
+    p.add_argument("--target", help="Hugging Face target directory (with tokenizer.json)")
+    p.add_argument("--drafter", help="DFlash drafter directory")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weight dtype (default: the checkpoint's)")
+    p.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and whether outputs match")
+    p.set_defaults(func=cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
+    _add_generate(sub)
     return parser
 
 

@@ -1,0 +1,194 @@
+"""Shared benchmark plumbing: model shapes, random weights on device, bandwidth, timing, JSON.
+
+Benchmarks measure, they never assert: each writes JSON under `bench/results/` with the
+device, JAX version, settings and ratios measured in the same run.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dflash_jax.checkpoint import drafter_param_shapes, target_param_shapes  # noqa: E402
+from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig  # noqa: E402
+from dflash_jax.nn.dense import Target  # noqa: E402
+from dflash_jax.nn.drafter import Drafter  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+QWEN3_8B = TargetConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope=RopeConfig(1e6),
+                        max_position_embeddings=40960, dtype="bfloat16")
+TINY = TargetConfig(arch="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope=RopeConfig(1e6), max_position_embeddings=40960,
+                    dtype="float32")
+
+
+def drafter_config(target: TargetConfig, block_size: int = 16, num_layers: int = 5, window=None) -> DrafterConfig:
+    """The z-lab DFlash drafter shape for a target (Qwen3-8B: 5 layers, taps [1, 9, 17, 25, 33])."""
+    n = target.num_layers
+    taps = tuple(round(1 + i * (n - 4) / (num_layers - 1)) for i in range(num_layers)) if num_layers > 1 else (n // 2,)
+    return DrafterConfig(family="dflash", hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                         num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+                         head_dim=target.head_dim, rms_norm_eps=1e-6, rope=target.rope, block_size=block_size,
+                         mask_token_id=target.vocab_size - 1, target_layer_ids=taps,
+                         layer_window=(window,) * num_layers, causal=(window is not None,) * num_layers,
+                         vocab_size=target.vocab_size)
+
+
+def _random_tree(shapes, dtype, seed: int):
+    """Random weights made on the device, one leaf at a time (no host copy of 16 GB)."""
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def make(key, shape):
+        if len(shape) == 1:
+            return jnp.ones(shape, dtype)
+        return (jax.random.normal(key, shape, jnp.float32) * (1.0 / np.sqrt(shape[0]))).astype(dtype)
+
+    make = jax.jit(make, static_argnums=(1,))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [make(k, s) for k, s in zip(keys, leaves)])
+
+
+def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0) -> Target:
+    return Target(cfg, _random_tree(target_param_shapes(cfg), dtype, seed))
+
+
+def random_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 1) -> Drafter:
+    return Drafter(cfg, _random_tree(drafter_param_shapes(cfg), dtype, seed))
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def target_step_bytes(target: Target) -> int:
+    """Weights a decode step must read: all of them (the embedding is gathered, not read,
+    unless it is tied to the LM head)."""
+    skip = 0 if target.config.tie_word_embeddings else target.params["embed"].size * target.params["embed"].dtype.itemsize
+    return nbytes(target.params) - skip
+
+
+def kv_bytes(cfg, live_tokens: float, batch: int = 1, itemsize: int = 2) -> float:
+    """K and V bytes of `live_tokens` context tokens over every layer."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * live_tokens * batch
+
+
+def hbm_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
+    """Device-to-device streaming bandwidth in bytes/s: read + write of a large buffer."""
+    n = int(gib * (1 << 30) // 4)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001 + 1.0)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n * 4 / statistics.median(times)
+
+
+def timed(fn, *args, reps: int = 5, warmup: int = 1):
+    """Median wall seconds of `fn(*args)` (its outputs blocked on) and the last output."""
+    out = None
+    for _ in range(warmup):
+        out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def environment(**settings) -> dict:
+    dev = jax.devices()[0]
+    return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax_version": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "settings": settings}
+
+
+def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
+    out_dir = out_dir or RESULTS
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=float)
+    print(f"wrote {path}")
+    return path
+
+
+def torch_peer_from_target(target: Target):
+    """The same weights as a `transformers` Qwen3ForCausalLM on the GPU, or None when torch,
+    transformers or CUDA are missing. Weights travel through DLPack and are split and
+    transposed into the Hugging Face `[out, in]` layout on the GPU."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    from dflash_jax.config import target_to_hf_config
+
+    cfg = target.config
+    hf = {k: v for k, v in target_to_hf_config(cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**hf))
+
+    def t(x, transpose=False):
+        x = torch.from_dlpack(x)
+        return (x.T if transpose else x).contiguous()
+
+    q, kv, f = cfg.q_width, cfg.kv_width, cfg.intermediate_size
+    state = {"model.embed_tokens.weight": t(target.params["embed"]), "model.norm.weight": t(target.params["final_norm"]),
+             "lm_head.weight": t(target.params["lm_head"], True)}
+    for i, layer in enumerate(target.params["layers"]):
+        p = f"model.layers.{i}."
+        wqkv, gu = torch.from_dlpack(layer["wqkv"]), torch.from_dlpack(layer["w_gate_up"])
+        state.update({
+            p + "input_layernorm.weight": t(layer["attn_norm"]),
+            p + "self_attn.q_proj.weight": wqkv[:, :q].T.contiguous(),
+            p + "self_attn.k_proj.weight": wqkv[:, q:q + kv].T.contiguous(),
+            p + "self_attn.v_proj.weight": wqkv[:, q + kv:].T.contiguous(),
+            p + "self_attn.o_proj.weight": t(layer["wo"], True),
+            p + "self_attn.q_norm.weight": t(layer["q_norm"]),
+            p + "self_attn.k_norm.weight": t(layer["k_norm"]),
+            p + "post_attention_layernorm.weight": t(layer["mlp_norm"]),
+            p + "mlp.gate_proj.weight": gu[:, :f].T.contiguous(),
+            p + "mlp.up_proj.weight": gu[:, f:].T.contiguous(),
+            p + "mlp.down_proj.weight": t(layer["w_down"], True),
+        })
+    model.load_state_dict(state, assign=True, strict=True)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config, device="cuda")
+    return model.eval()
+
+
+def hf_generate_tokens_per_s(model, prompt_len: int, new_tokens: int, static_cache: bool = False) -> dict:
+    """`transformers` greedy generate on the same weights: tokens/s (median of 2 after a warm-up)."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size - 2, (1, prompt_len), device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if static_cache:
+        model.generation_config.cache_implementation = "static"
+    model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))
+    times = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    model.generation_config.cache_implementation = None
+    return {"tokens_per_s": new_tokens / statistics.median(times), "new_tokens": new_tokens,
+            "cache_implementation": "static" if static_cache else "dynamic", "attn_implementation":
+            model.config._attn_implementation}

@@ -1,0 +1,43 @@
+"""The bundled demo pair: a small trained Qwen3 target and its DFlash drafter.
+
+Both were trained on the Python standard library (recipe: `bench/demo_pair/`, model card:
+`dflash_jax/assets/demo/README.md`). They are the default models of `dflash-jax generate`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import tokenizers
+
+from dflash_jax.api import load_drafter, load_target
+from dflash_jax.nn.dense import Target
+from dflash_jax.nn.drafter import Drafter
+
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo")
+
+
+@dataclasses.dataclass
+class Demo:
+    tokenizer: tokenizers.Tokenizer
+    target: Target
+    drafter: Drafter
+
+
+def load_tokenizer(path) -> tokenizers.Tokenizer:
+    """`tokenizer.json` of a checkpoint directory; ValueError naming the path when absent."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"no tokenizer.json in {path}: pass token ids, or a directory that has one")
+    return tokenizers.Tokenizer.from_file(file)
+
+
+def load_demo(dtype=None, directory: str = DEMO_DIR, **overrides) -> Demo:
+    """The demo tokenizer, target and drafter (bf16 as shipped; `dtype="float32"` for exactness
+    checks). `overrides` go to the drafter census (e.g. `block_size=8`)."""
+    target_dir, drafter_dir = os.path.join(directory, "target"), os.path.join(directory, "drafter")
+    if not (os.path.isdir(target_dir) and os.path.isdir(drafter_dir)):
+        raise ValueError(f"the demo pair is missing from {directory}: reinstall dflash-jax, or rebuild it with "
+                         "the recipe in bench/demo_pair/README.md")
+    target = load_target(target_dir, dtype)
+    return Demo(load_tokenizer(target_dir), target, load_drafter(drafter_dir, target, dtype, **overrides))
