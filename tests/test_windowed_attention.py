@@ -1,0 +1,161 @@
+"""block_attention: the jnp reference against a numpy loop over the masking rules, and the Pallas
+kernel (interpret mode) against the reference over shapes, lengths, windows, masks and GQA ratios."""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from pallas_kernels import block_attention
+from pallas_kernels import windowed_attention as wa
+
+# (batch, W, nh, nkv, hd, capacity S, ctx_len per row, window, causal)
+CASES = [
+    pytest.param(2, 4, 4, 4, 16, 20, [0, 20], None, True, id="mha-empty-and-full-cache"),
+    pytest.param(3, 8, 8, 4, 32, 100, [1, 57, 100], 5, False, id="gqa2-symmetric-window-below-W"),
+    pytest.param(2, 16, 16, 4, 16, 300, [299, 7], 40, True, id="gqa4-splits-ragged-window-below-ctx"),
+    pytest.param(1, 1, 8, 2, 16, 150, [150], None, True, id="decode-W1-ctx-equals-capacity"),
+    pytest.param(1, 20, 8, 2, 16, 70, [65], 3, True, id="two-query-tiles-window-below-W"),
+    pytest.param(1, 70, 2, 2, 16, 64, [10], None, False, id="two-block-key-tiles-bidirectional"),
+    pytest.param(2, 5, 4, 1, 64, 130, [129, 64], 64, False, id="mqa-hd64-window-equals-tile"),
+    pytest.param(2, 3, 4, 2, 24, 33, [2, 33], 2, True, id="hd-not-power-of-two"),
+]
+
+
+def oracle(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, causal, window):
+    """The masking rules of the docstring, one key at a time, in float64."""
+    q, k_ctx, v_ctx, k_blk, v_blk = (np.asarray(x, np.float64) for x in (q, k_ctx, v_ctx, k_blk, v_blk))
+    b, w, nh, hd = q.shape
+    s, nkv = k_ctx.shape[1], k_ctx.shape[2]
+    out = np.zeros_like(q)
+    for r in range(b):
+        n = int(ctx_len[r])
+        for h in range(nh):
+            kv = h // (nh // nkv)
+            for i in range(w):
+                keys, values = [], []
+                for j in range(s):
+                    if j < n and (window is None or (n + i) - j < window):
+                        keys.append(k_ctx[r, j, kv]), values.append(v_ctx[r, j, kv])
+                for i2 in range(w):
+                    in_window = window is None or (i - i2 < window and (causal or i2 - i < window))
+                    if (not causal or i2 <= i) and in_window:
+                        keys.append(k_blk[r, i2, kv]), values.append(v_blk[r, i2, kv])
+                logits = np.stack(keys) @ q[r, i, h] * scale
+                p = np.exp(logits - logits.max())
+                out[r, i, h] = (p / p.sum()) @ np.stack(values)
+    return out
+
+
+def random_inputs(seed, b, w, nh, nkv, hd, s, dtype=jnp.float32):
+    """q, k_ctx, v_ctx, k_blk, v_blk with unit-normal entries (cache slots past ctx_len hold junk too)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(b, w, nh, hd), (b, s, nkv, hd), (b, s, nkv, hd), (b, w, nkv, hd), (b, w, nkv, hd)]
+    return [jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes]
+
+
+_jitted_attention = jax.jit(block_attention, static_argnames=("scale", "causal", "window", "impl", "interpret"))
+
+
+def run(impl, inputs, ctx_len, causal, window, scale=0.25):
+    """block_attention jitted (one compile per case instead of one per eager op); Pallas in interpret mode."""
+    q, kc, vc, kb, vb = inputs
+    return _jitted_attention(q, kc, vc, jnp.asarray(ctx_len, jnp.int32), kb, vb, scale=scale, causal=causal,
+                             window=window, impl=impl, interpret=impl == "pallas")
+
+
+@pytest.mark.parametrize("b, w, nh, nkv, hd, s, ctx_len, window, causal", CASES)
+def test_xla_reference_follows_the_masking_rules(b, w, nh, nkv, hd, s, ctx_len, window, causal):
+    inputs = random_inputs(0, b, w, nh, nkv, hd, s)
+    got = run("xla", inputs, ctx_len, causal, window)
+    want = oracle(*inputs[:3], ctx_len, *inputs[3:], 0.25, causal, window)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5,
+                               err_msg="the jnp reference disagrees with the key-by-key oracle of the docstring")
+
+
+@pytest.mark.parametrize("b, w, nh, nkv, hd, s, ctx_len, window, causal", CASES)
+def test_pallas_kernel_matches_reference(b, w, nh, nkv, hd, s, ctx_len, window, causal):
+    inputs = random_inputs(1, b, w, nh, nkv, hd, s)
+    got = run("pallas", inputs, ctx_len, causal, window)
+    want = run("xla", inputs, ctx_len, causal, window)
+    assert got.shape == (b, w, nh, hd) and got.dtype == jnp.float32, "output must be [B, W, nh, hd] in q.dtype"
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
+                               err_msg="the Pallas kernel disagrees with the jnp reference")
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_pallas_kernel_matches_reference_on_random_shapes(data):
+    nkv = data.draw(st.sampled_from([1, 2]), label="nkv")
+    group = data.draw(st.sampled_from([1, 2, 4]), label="group")
+    b, w = data.draw(st.integers(1, 3), label="b"), data.draw(st.integers(1, 18), label="W")
+    s = data.draw(st.integers(1, 200), label="S")
+    ctx_len = data.draw(st.lists(st.integers(0, s), min_size=b, max_size=b), label="ctx_len")
+    window = data.draw(st.one_of(st.none(), st.integers(1, 80)), label="window")
+    causal = data.draw(st.booleans(), label="causal")
+    inputs = random_inputs(2, b, w, nkv * group, nkv, 16, s)
+    got = run("pallas", inputs, ctx_len, causal, window)
+    want = run("xla", inputs, ctx_len, causal, window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
+                               err_msg="the Pallas kernel disagrees with the jnp reference")
+
+
+def test_bf16_inputs_give_bf16_output_close_to_reference():
+    inputs = random_inputs(3, 2, 16, 8, 2, 32, 90, dtype=jnp.bfloat16)
+    got = run("pallas", inputs, [90, 33], True, 20)
+    want = run("xla", inputs, [90, 33], True, 20)
+    assert got.dtype == jnp.bfloat16, "the output must come back in q.dtype"
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2,
+                               err_msg="bf16 kernel (float32 accumulation) strays from the reference")
+
+
+def test_pallas_kernel_never_touches_cache_tiles_outside_the_live_window():
+    tile, ctx_len, window = wa.BLOCK_K, 3 * wa.BLOCK_K + 5, 2 * wa.BLOCK_K
+    b, w, nh, nkv, hd, s = 1, 4, 4, 2, 16, 6 * wa.BLOCK_K
+    q, kc, vc, kb, vb = random_inputs(4, b, w, nh, nkv, hd, s)
+    live = np.zeros(s, bool)
+    live[(ctx_len - window + 1) // tile * tile: -(-ctx_len // tile) * tile] = True
+    kc_poisoned, vc_poisoned = (jnp.where(live[None, :, None, None], x, jnp.nan) for x in (kc, vc))
+    got = run("pallas", (q, kc_poisoned, vc_poisoned, kb, vb), [ctx_len], True, window)
+    want = run("xla", (q, kc, vc, kb, vb), [ctx_len], True, window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
+                               err_msg="NaN in tiles past ctx_len or before the window reached the output: "
+                                       "the kernel's work is not bounded by the live length and the window")
+
+
+def test_unknown_impl_is_refused_with_the_choices():
+    inputs = random_inputs(5, 1, 2, 2, 1, 16, 8)
+    with pytest.raises(ValueError, match=r"impl='triton'.*\('xla', 'pallas'\)"):
+        run("triton", inputs, [3], True, None)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"k_blk": (1, 3, 1, 16)}, "k_blk has shape"),
+    ({"v_ctx": (1, 9, 1, 16)}, "v_ctx has shape"),
+    ({"q": (1, 2, 2, 8)}, "k_ctx has shape"),
+    ({"q": (1, 2, 3, 16), "k_ctx": (1, 8, 2, 16), "v_ctx": (1, 8, 2, 16), "k_blk": (1, 2, 2, 16),
+      "v_blk": (1, 2, 2, 16)}, "not a multiple"),
+    ({"q": (2, 16)}, "4 dims"),
+])
+def test_mismatched_shapes_are_refused(bad, match):
+    shapes = {"q": (1, 2, 2, 16), "k_ctx": (1, 8, 1, 16), "v_ctx": (1, 8, 1, 16), "k_blk": (1, 2, 1, 16),
+              "v_blk": (1, 2, 1, 16), **bad}
+    arrays = {name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()}
+    with pytest.raises(ValueError, match=match):
+        block_attention(arrays["q"], arrays["k_ctx"], arrays["v_ctx"], jnp.zeros(1, jnp.int32), arrays["k_blk"],
+                        arrays["v_blk"], scale=1.0)
+
+
+def test_bad_ctx_len_window_and_mixed_dtypes_are_refused():
+    q, kc, vc, kb, vb = random_inputs(6, 2, 2, 2, 1, 16, 8)
+    with pytest.raises(ValueError, match="ctx_len must be an integer array of shape \\(2,\\)"):
+        block_attention(q, kc, vc, jnp.zeros(3, jnp.int32), kb, vb, scale=1.0)
+    with pytest.raises(ValueError, match="ctx_len must be an integer array"):
+        block_attention(q, kc, vc, jnp.zeros(2, jnp.float32), kb, vb, scale=1.0)
+    with pytest.raises(ValueError, match="window=0 must be None or a positive int"):
+        block_attention(q, kc, vc, jnp.zeros(2, jnp.int32), kb, vb, scale=1.0, window=0)
+    with pytest.raises(ValueError, match="share one dtype"):
+        block_attention(q, kc.astype(jnp.bfloat16), vc, jnp.zeros(2, jnp.int32), kb, vb, scale=1.0)
