@@ -16,6 +16,7 @@ import numpy as np
 
 import common
 import dflash_jax
+from dflash_jax import policy
 
 
 def measure(target, batch: int, prompt: int, new: int, impl: str, reps: int) -> dict:
@@ -39,12 +40,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--impl", default="xla", choices=["xla", "pallas"])
+    ap.add_argument("--impl", default=None, choices=["xla", "pallas"], help="default: pallas on GPU")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peer-tokens", type=int, default=64, help="new tokens for the transformers peer (0: skip)")
+    ap.add_argument("--peer-static", action="store_true", help="also time the static-cache peer (compiles a while)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
 
+    args.impl = policy.attention_impl(args.impl)
     cfg = common.TINY if args.tiny else common.QWEN3_8B
     target = common.random_target(cfg)
     bw = common.hbm_bandwidth(0.25 if args.tiny else 4.0)
@@ -59,7 +62,8 @@ def main(argv=None):
         model = common.torch_peer_from_target(target)
         if model is not None:
             peers = [common.hf_generate_tokens_per_s(model, args.prompt, args.peer_tokens)]
-            peers.append(common.hf_generate_tokens_per_s(model, args.prompt, args.peer_tokens, static_cache=True))
+            if args.peer_static:
+                peers.append(common.hf_generate_tokens_per_s(model, args.prompt, args.peer_tokens, static_cache=True))
             payload["peers"] = peers
             best = max(p["tokens_per_s"] for p in peers)
             payload["speedup_over_best_peer"] = res["tokens_per_s"] / best

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import checkpoint
+from dflash_jax import checkpoint, policy
 from dflash_jax import sampling as smp
 from dflash_jax import speculative as spec
 from dflash_jax.decode import pack_prompts, stop_array, check_capacity
@@ -50,9 +50,10 @@ def _propose(loop: spec.Loop, target, drafter, tokens, lengths, cache, dcache, r
     return jnp.argmax(logits, -1).astype(jnp.int32), logits, s.anchor
 
 
-def propose(target: Target, drafter: Drafter, prompts, impl: str = "xla") -> Proposal:
+def propose(target: Target, drafter: Drafter, prompts, impl: str | None = None) -> Proposal:
     """Prefill `prompts`, take the target's next token as anchor, and draft one block (greedy)."""
     spec.check_drafter(target, drafter)
+    impl = policy.attention_impl(impl)
     p = pack_prompts(prompts, target.config.vocab_size)
     cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.config.block_size, None)
     loop = spec.Loop(1, p.chunk, True, "argmax", impl)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dflash_jax import policy
 from dflash_jax import sampling as smp
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.nn import dense
@@ -263,9 +264,10 @@ def to_lists(out: np.ndarray, n_out: np.ndarray) -> list:
 
 
 def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=(), sampling=None,
-                   capacity: Optional[int] = None, impl: str = "xla") -> Result:
+                   capacity: Optional[int] = None, impl: Optional[str] = None) -> Result:
     """Autoregressive decoding as one jitted `lax.while_loop`."""
     sampling = smp.Sampling() if sampling is None else sampling
+    impl = policy.attention_impl(impl)
     p = pack_prompts(prompts, target.config.vocab_size)
     cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, 1, capacity)
     rp = smp.row_params(sampling, p.batch)

@@ -12,7 +12,7 @@ from dflash_jax.session import Session
 
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),
              sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
-             impl: str = "xla") -> Result:
+             impl: Optional[str] = None) -> Result:
     """Generate up to `max_new_tokens` per prompt, exactly as the target alone would.
 
     prompts: a list of token-id lists (ragged) or a 2-D int array. stop_tokens: ids that end

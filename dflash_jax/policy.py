@@ -83,3 +83,16 @@ def clamp_vt(m_plus_2, cap: int):
     if isinstance(m_plus_2, int):
         return max(low, min(cap, m_plus_2))
     return jnp.clip(m_plus_2, low, cap)
+
+
+ATTENTION_IMPLS = ("xla", "pallas")
+
+
+def attention_impl(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]] = os.environ,
+                   backend: Optional[str] = None) -> str:
+    """Attention implementation: keyword > DFLASH_ATTENTION > 'pallas' on GPU (faster at every
+    benchmarked shape, bench/results/kernel_check.json), 'xla' elsewhere."""
+    import jax
+
+    default = "pallas" if (backend or jax.default_backend()) == "gpu" else "xla"
+    return resolve_choice("attention", kwarg, default, ATTENTION_IMPLS, env)

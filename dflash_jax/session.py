@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import policy
 from dflash_jax import sampling as smp
 from dflash_jax import speculative as spec
 from dflash_jax.decode import Result, check_capacity, pack_prompts, stop_array, to_lists
@@ -58,8 +59,9 @@ class Session:
 
     def __init__(self, target: Target, drafter: Drafter, prompts, *, max_new_tokens: int, stop_tokens=(),
                  sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
-                 impl: str = "xla", inject: Optional[spec.Injected] = None):
+                 impl: Optional[str] = None, inject: Optional[spec.Injected] = None):
         spec.check_drafter(target, drafter)
+        impl = policy.attention_impl(impl)
         smp.check_speculative(sampling)
         p = pack_prompts(prompts, target.config.vocab_size)
         nd = drafter.config.n_drafts
