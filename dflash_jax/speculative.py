@@ -151,12 +151,16 @@ class Loop:
 
     @staticmethod
     def _inject(s: SpecState, drafts: jax.Array, vocab: int) -> jax.Array:
+        """Reference tokens with the first wrong slot drawn from `first_wrong`. The wrong token is
+        the drafter's own where it differs from the reference, so the drafter's output is used and
+        XLA cannot drop the drafter as dead code (benchmarks must pay for it)."""
         b, nd = drafts.shape
         idx = s.n_out[:, None] + jnp.arange(nd)[None, :]
         ref = jnp.take_along_axis(s.inject.reference, idx, axis=1)
         keys = smp.rng_key(s.rp.seed, s.counter, smp.STREAM_DRAFT + 2)
         wrong = jax.vmap(lambda k: jax.random.choice(k, nd + 1, p=s.inject.first_wrong))(keys)
-        return jnp.where(jnp.arange(nd)[None, :] == wrong[:, None], (ref + 1) % vocab, ref).astype(jnp.int32)
+        bad = jnp.where(drafts != ref, drafts, (ref + 1) % vocab)
+        return jnp.where(jnp.arange(nd)[None, :] == wrong[:, None], bad, ref).astype(jnp.int32)
 
     def accept(self, s: SpecState, tlogits: jax.Array, drafts: jax.Array, q):
         """`(m, next)`: accepted drafts and the correction/bonus token."""

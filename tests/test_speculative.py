@@ -134,3 +134,16 @@ def test_propose_returns_the_drafters_block(target):
     nd, v = drafter.config.n_drafts, target.config.vocab_size
     assert p.tokens.shape == (3, nd) and p.logits.shape == (3, nd, v) and p.logits.dtype == np.float32
     np.testing.assert_array_equal(p.tokens, p.logits.argmax(-1))
+
+
+def test_injected_proposals_still_pay_for_the_drafter(target, plain):
+    """Benchmarks inject proposals to control acceptance; the drafter must still run (not be
+    removed as dead code), or the measured rounds would be too cheap."""
+    drafter = tiny_drafter(target, 4)
+    nd = drafter.config.n_drafts
+
+    def dots(inject):
+        s = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=inject)
+        return spec.run.lower(s.loop, target, drafter, s.state, s.stop_tokens).compile().as_text().count(" dot(")
+
+    assert dots(_inject(plain, nd, [1] * (nd + 1))) >= dots(None) > 0
