@@ -5,7 +5,7 @@ import argparse
 import math
 import sys
 
-from dflash_jax import checkpoint
+from dflash_jax import checkpoint, train
 from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor
 
 _DRAFTER_MARKERS = ("DFlash", "DSpark", "Draft")
@@ -188,10 +188,13 @@ def _add_generate(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-jax", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="dflash-jax", description="Lossless block-diffusion speculative decoding (DFlash) in JAX. "
+        "Run `dflash-jax generate --prompt TEXT` to try the bundled demo pair.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
     _add_generate(sub)
+    train.add_cli(sub)
     return parser
 
 

@@ -1,0 +1,278 @@
+"""Drafter training (dflash_jax.train): the objective, its agreement with inference, the loop, export, CLI.
+
+The reference for the training forward is the inference path itself: per block, `ingest`
+the taps of positions < anchor into a draft cache, run `draft_hidden` on `[anchor, mask,
+...]` and read rows 1..b-1 through `draft_logits`. Everything that asserts exactness runs
+in float32.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from conftest import tiny_drafter, tiny_target
+from dflash_jax import train
+from dflash_jax.checkpoint import read_drafter, write_target
+from dflash_jax.config import CheckpointError, default_target_layer_ids
+from dflash_jax.nn import dense
+from dflash_jax.nn import drafter as dr
+
+F32 = dict(compute_dtype="float32")
+
+
+@jax.jit
+def _inference_block(drafter, target, taps, tokens_row, anchor):
+    """Hidden `[b, H]` and row 1..b-1 logits of one block via ingest + draft_hidden (batch of 1).
+
+    The cache holds the taps of positions < anchor; slots from the anchor on hold large noise,
+    so a block that saw past `seq_len = anchor` could not match.
+    """
+    t = taps.shape[0]
+    noise = 10.0 * jax.random.normal(jax.random.key(0), taps.shape)
+    ctx = jnp.where(jnp.arange(t)[:, None] < anchor, taps, noise)
+    cache = drafter.init_cache(1, t + drafter.config.block_size)
+    cache = dr.ingest(drafter.params, drafter.config, cache, ctx[None], jnp.zeros((1,), jnp.int32))
+    cache = cache.replace(seq_len=jnp.reshape(anchor, (1,)).astype(jnp.int32))
+    x = dr.block_input(target.params, drafter.config, jnp.reshape(tokens_row[anchor], (1,)))
+    h = dr.draft_hidden(drafter.params, drafter.config, cache, x)
+    return h[0], dr.draft_logits(target.params, target.config, drafter.config, h)[0]
+
+
+@jax.jit
+def _train_hidden(drafter, target, tokens, anchors):
+    _, taps = dense.forward(target.params, target.config, tokens, drafter.config.target_layer_ids)
+    b, hidden = drafter.config.block_size, target.config.hidden_size
+    x = dr.block_input(target.params, drafter.config, jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1))
+    x = x.reshape(*anchors.shape, b, hidden)
+    return taps, dr.draft_hidden_train(drafter.params, drafter.config, taps, x, anchors)
+
+
+@pytest.mark.parametrize("windows, causal", [((None, None), (False, False)), ((3, None), (True, False))])
+def test_training_block_forward_equals_inference_over_a_draft_cache(target, windows, causal):
+    drafter = tiny_drafter(target, 4, windows=windows, causal=causal)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(2, 60, (2, 14)), jnp.int32)
+    anchors = jnp.array([[1, 6, 10], [3, 4, 9]], jnp.int32)
+    taps, h_train = _train_hidden(drafter, target, tokens, anchors)
+    for row in range(2):
+        for j, a in enumerate(np.asarray(anchors[row])):
+            h_ref, _ = _inference_block(drafter, target, taps[row], tokens[row], a)
+            err = float(jnp.max(jnp.abs(h_train[row, j] - h_ref)))
+            assert err < 1e-5, f"block at anchor {a} (row {row}) differs from the inference forward by {err}"
+
+
+def test_loss_weights_decay_as_exp_of_minus_slot_offset_over_gamma():
+    w = train.loss_weights(5, 2.0)
+    expected = [1.0, math.exp(-0.5), math.exp(-1.0), math.exp(-1.5)]
+    np.testing.assert_allclose(w, expected, rtol=1e-6, err_msg="row k of 1..b-1 weighs exp(-(k-1)/gamma)")
+
+
+def test_weighted_block_ce_matches_a_hand_computation():
+    logits = jnp.array([[[0.0, math.log(3.0)], [math.log(2.0), 0.0]]])  # one block, rows 1 and 2, V=2
+    labels = jnp.array([[0, 0]])
+    weights = np.array([1.0, 0.5], np.float32)
+    # row 1: p(label 0) = 1/4 -> ce ln 4; row 2: p(label 0) = 2/3 -> ce ln 1.5
+    expected = (1.0 * math.log(4.0) + 0.5 * math.log(1.5)) / 1.5
+    got = float(train.weighted_block_ce(logits, labels, weights))
+    assert abs(got - expected) < 1e-6, f"weighted CE {got}, hand value {expected}"
+
+
+def test_acceptance_length_counts_leading_agreements_plus_the_bonus_token():
+    draft = jnp.array([[5, 6, 7, 8], [1, 6, 7, 8], [5, 6, 0, 8], [5, 6, 7, 8]])
+    target = jnp.array([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 0]])
+    got = train.acceptance_length(draft, target).tolist()
+    assert got == [5, 1, 3, 4], f"1 + agreeing prefix length per block, later agreements ignored; got {got}"
+
+
+def test_drafter_loss_and_metrics_equal_a_per_block_inference_reference(target):
+    drafter = tiny_drafter(target, 4)
+    cfg, tcfg = drafter.config, target.config
+    tokens = np.random.default_rng(1).integers(2, 60, (2, 12)).astype(np.int32)
+    anchors = np.array([[2, 5], [1, 8]], np.int32)
+    gamma = 1.5
+    loss_fn = jax.jit(functools.partial(train.drafter_loss, target_cfg=tcfg, cfg=cfg,
+                                        weights=train.loss_weights(4, gamma), dtype=jnp.float32))
+    loss, metrics = loss_fn(drafter.params, target.params, jnp.asarray(tokens), jnp.asarray(anchors))
+    taps, _ = _train_hidden(drafter, target, jnp.asarray(tokens), jnp.asarray(anchors))
+    target_choice = np.asarray(jnp.argmax(target.logits(tokens), axis=-1))
+    w = np.exp(-np.arange(3) / gamma)
+    total, lengths, agree = 0.0, [], []
+    for row in range(2):
+        for a in anchors[row]:
+            _, logits = _inference_block(drafter, target, taps[row], jnp.asarray(tokens[row]), a)
+            logits = np.asarray(logits, np.float64)
+            labels = tokens[row, a + 1:a + 4]
+            ce = np.log(np.exp(logits).sum(-1)) - logits[np.arange(3), labels]
+            total += float((w * ce).sum())
+            match = logits.argmax(-1) == target_choice[row, a:a + 3]  # target's choice for a+k is at a+k-1
+            agree.append(match)
+            lengths.append(1 + int(np.cumprod(match).sum()))
+    expected = total / (4 * w.sum())
+    assert abs(float(loss) - expected) < 1e-5 * max(1.0, expected), f"loss {float(loss)} != reference {expected}"
+    assert abs(float(metrics["acc_len"]) - np.mean(lengths)) < 1e-6, "acc_len is 1 + leading agreements, averaged"
+    np.testing.assert_allclose(metrics["slot_acc"], np.mean(agree, axis=0), atol=1e-6,
+                               err_msg="slot_acc compares each row with the target's argmax at that position")
+
+
+def test_sample_anchors_are_distinct_and_leave_context_and_a_whole_block():
+    rng = np.random.default_rng(0)
+    anchors = train.sample_anchors(rng, 64, 5, seq_len=12, block_size=4)
+    assert anchors.min() >= 1 and anchors.max() <= 12 - 4, f"anchors outside [1, 8]: {anchors.min()}..{anchors.max()}"
+    assert all(len(set(r)) == 5 for r in anchors.tolist()), "anchors of a sequence must be distinct"
+    assert set(anchors.ravel().tolist()) == set(range(1, 9)), "every admissible anchor should be drawn sometimes"
+    with pytest.raises(ValueError, match="anchors_per_seq 9 exceeds the 8 possible anchors"):
+        train.sample_anchors(rng, 1, 9, seq_len=12, block_size=4)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("steps", 0), ("batch_size", -1), ("seq_len", 1), ("anchors_per_seq", 0), ("lr", 0.0), ("lr", float("nan")),
+    ("warmup_steps", 10), ("weight_decay", -0.1), ("grad_clip", 0.0), ("gamma", -1.0), ("compute_dtype", "float16"),
+    ("checkpoint_every", -1), ("log_every", 0), ("steps", 2.5),
+])
+def test_train_config_refuses_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"TrainConfig.{field}"):
+        train.TrainConfig(**{"steps": 10, "warmup_steps": 1, field: value})
+
+
+def test_init_drafter_copies_target_shapes_and_uses_the_reference_tap_rule(target):
+    cfg, params = train.init_drafter(target.config, num_layers=2, block_size=8, mask_token_id=5)
+    t = target.config
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == \
+        (t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size)
+    assert cfg.target_layer_ids == default_target_layer_ids(t.num_layers, 2)
+    assert cfg.layer_window == (None, None) and cfg.causal == (False, False), "full attention, bidirectional block"
+    assert bool(jnp.all(params["layers"][0]["q_norm"] == 1)), "norm weights start at one"
+    std = float(jnp.std(params["layers"][1]["w_gate_up"]))
+    assert 0.015 < std < 0.025, f"matrices start N(0, 0.02); std {std}"
+    with pytest.raises(CheckpointError, match="mask_token_id 64 is outside"):
+        train.init_drafter(target.config, num_layers=1, block_size=8, mask_token_id=64)
+
+
+def test_train_drafter_refuses_more_anchors_than_a_window_holds(target):
+    drafter = tiny_drafter(target, 4)
+    tc = train.TrainConfig(steps=2, warmup_steps=0, seq_len=8, anchors_per_seq=5, batch_size=1, **F32)
+    with pytest.raises(ValueError, match="anchors_per_seq 5 exceeds the 4 possible anchors"):
+        train.train_drafter(target, np.arange(20) % 50, drafter.config, drafter.params, tc, progress=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """30 float32 steps on one repeated 24-token window, checkpoints every 10, exported."""
+    target = tiny_target(seed=3)
+    cfg, params = train.init_drafter(target.config, num_layers=2, block_size=4, mask_token_id=1, seed=0)
+    data = np.random.default_rng(2).integers(2, 64, 24)
+    tc = train.TrainConfig(steps=30, batch_size=2, seq_len=24, anchors_per_seq=6, lr=1e-2, warmup_steps=3,
+                           checkpoint_every=10, log_every=10, **F32)
+    before = train.evaluate_drafter(target, data, cfg, params, tc, n_batches=2)
+    out = tmp_path_factory.mktemp("drafter")
+    history = []
+    new = train.train_drafter(target, data, cfg, params, tc, out_dir=out, progress=False, history=history)
+    after = train.evaluate_drafter(target, data, cfg, new, tc, n_batches=2)
+    return dict(target=target, cfg=cfg, params=new, before=before, after=after, out=out, history=history)
+
+
+def test_training_steps_reduce_the_loss_on_a_repeated_batch(trained):
+    before, after = trained["before"]["loss"], trained["after"]["loss"]
+    assert after < 0.7 * before, f"30 steps on one repeated window should cut the loss: {before:.3f} -> {after:.3f}"
+
+
+def test_exported_drafter_reads_back_with_read_drafter(trained):
+    cfg, params = read_drafter(trained["out"], trained["target"].config, dtype="float32")
+    want = trained["cfg"]
+    for name in ("block_size", "mask_token_id", "target_layer_ids", "layer_window", "causal", "harvest", "num_layers"):
+        assert getattr(cfg, name) == getattr(want, name), f"{name}: {getattr(cfg, name)} != {getattr(want, name)}"
+    exported = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), trained["params"])
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, exported))
+    assert max(diffs) == 0.0, "the checkpoint holds the trained weights in bfloat16"
+
+
+def test_training_writes_periodic_checkpoints_and_a_log(trained):
+    out = trained["out"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20"]
+    read_drafter(out / "checkpoint-20", trained["target"].config)
+    log = json.loads((out / "train_log.json").read_text())
+    assert [r["step"] for r in log["history"]] == [1, 10, 20, 30], "a record at step 1 and every log_every steps"
+    assert log["train_config"]["steps"] == 30 and log["drafter_config"]["dflash_config"]["mask_token_id"] == 1
+    assert all(1.0 <= r["acc_len"] <= 4.0 and len(r["slot_acc"]) == 3 for r in log["history"])
+
+
+def test_pretrain_target_lowers_next_token_loss():
+    target = tiny_target(seed=5)
+    data = np.random.default_rng(4).integers(0, 64, 33)
+    tc = train.TrainConfig(steps=25, batch_size=2, seq_len=32, lr=1e-2, warmup_steps=2, log_every=25, **F32)
+    kw = dict(seq_len=32, batch_size=1, n_batches=1, compute_dtype="float32")
+    before = train.evaluate_target(target.config, target.params, data, **kw)["loss"]
+    params = train.pretrain_target(target.config, target.params, data, tc, progress=False)
+    after = train.evaluate_target(target.config, params, data, **kw)["loss"]
+    assert after < 0.5 * before, f"25 steps on one window should fit it: {before:.3f} -> {after:.3f}"
+
+
+# ---------------------------------------------------------------------------------------
+# The `train-drafter` command end to end.
+
+TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+]
+
+
+def _tokenizer(specials):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT * 4, trainer)
+    return tok
+
+
+def _target_dir(path, specials):
+    tok = _tokenizer(specials)
+    target = tiny_target(seed=7, vocab=tok.get_vocab_size())
+    write_target(path, target.config, target.params, dtype="float32")
+    tok.save(str(path / "tokenizer.json"))
+    return target
+
+
+def _run_cli(argv):
+    parser = argparse.ArgumentParser()
+    train.add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_train_drafter_tokenizes_trains_and_exports(tmp_path, capsys):
+    target = _target_dir(tmp_path, ["<|endoftext|>", "<|mask|>"])
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"doc{i}.py").write_text("".join(TEXT[i % 4:] + TEXT[:i % 4]))
+    out = tmp_path / "drafter"
+    rc = _run_cli(["train-drafter", "--target", str(tmp_path), "--corpus", str(corpus), "--out", str(out),
+                   "--layers", "1", "--block-size", "4", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+                   "--anchors-per-seq", "4", "--dtype", "float32"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "acc-len" in captured.err, "the progress line reports the acceptance-length estimate"
+    cfg, _ = read_drafter(out, target.config)
+    assert cfg.mask_token_id == 1, "the default mask token is the tokenizer's <|mask|>"
+    assert cfg.block_size == 4 and cfg.num_layers == 1 and cfg.target_layer_ids == (target.config.num_layers // 2,)
+
+
+def test_cli_refuses_a_tokenizer_without_mask_token_naming_the_option(tmp_path, capsys):
+    _target_dir(tmp_path, ["<|endoftext|>"])
+    (tmp_path / "c.txt").write_text("".join(TEXT))
+    rc = _run_cli(["train-drafter", "--target", str(tmp_path), "--corpus", str(tmp_path / "c.txt"),
+                   "--out", str(tmp_path / "d"), "--steps", "3"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--mask-token-id" in err and "<|mask|>" in err, err
+    assert not (tmp_path / "d").exists(), "nothing is written when the command refuses"
