@@ -128,7 +128,7 @@ def cmd_generate(args) -> int:
         sampling = _sampling(args)
         overrides = {"block_size": args.block_size} if args.block_size else {}
         if args.target is None:
-            demo = load_demo(args.dtype, **overrides)
+            demo = load_demo(args.dtype or "float32", **overrides)
             tokenizer, target, drafter = demo.tokenizer, demo.target, demo.drafter
         else:
             target = dflash_jax.load_target(args.target, args.dtype)

@@ -118,7 +118,9 @@ def prefill(target: Target, cache: KVCache, tokens: jax.Array, lengths: jax.Arra
     def body(carry, xs):
         cache, h_last, extra = carry
         i, chunk_tokens = xs
-        start = jnp.full((b,), i * chunk, jnp.int32)
+        # opaque to XLA: with one chunk, a constant start makes the masked context scores
+        # constant and XLA spends seconds constant-folding them
+        start = jax.lax.optimization_barrier(jnp.full((b,), i * chunk, jnp.int32))
         h, taps, cache = dense.extend(target.params, target.config, cache, chunk_tokens, start, tap_ids, impl)
         inside = (last >= i * chunk) & (last < (i + 1) * chunk)
         row = jnp.take_along_axis(h, jnp.clip(last - i * chunk, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
