@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Every benchmark figure, then the plots and the summary of the targets.
+#
+#   bench/run_all.sh [OUT_DIR]            # H200; OUT_DIR defaults to bench/results
+#   bench/run_all.sh --tiny [OUT_DIR]     # CPU smoke test; OUT_DIR defaults to /tmp/dflash_bench_tiny
+#
+# Compiled programs are kept in a persistent cache (JAX_COMPILATION_CACHE_DIR, default
+# /tmp/dflash_jax_cache): the batch 1 x prompt 512 programs of spec_round, acceptance and the
+# sweep are the same, so later steps load them instead of compiling. Each step's seconds are
+# printed and written to OUT_DIR/run_all_times.json. Exit status 1 if any run compiled after its
+# warm-up (summary.py --strict).
+#
+# Knobs (environment): BENCH_BUDGET_S (default 480): the sweep skips, and records as skipped,
+# the cells that would end past this many seconds from the start of this script (20 s are kept
+# for the plots and the summary); BENCH_COMPILE_THREADS (default 1): > 1 compiles every sweep
+# cell's loops up front, that many at a time (faster; GEMM autotuning then shares the GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+tiny=""
+if [[ "${1:-}" == "--tiny" ]]; then
+  tiny="--tiny"
+  shift
+fi
+out="${1:-$([[ -n "$tiny" ]] && echo /tmp/dflash_bench_tiny || echo bench/results)}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/dflash_jax_cache}"
+
+if [[ -n "$tiny" ]]; then
+  plain_args=(--tiny --prompt 32 --new 32 --reps 2)
+else
+  plain_args=()
+fi
+
+times=()
+step() {
+  local name="$1"
+  shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  "$@"
+  local dt=$((SECONDS - t0))
+  echo "=== $name: ${dt} s"
+  times+=("\"$name\": $dt")
+}
+
+write_times() {
+  local IFS=, body
+  body="${times[*]:-}"
+  echo "{${body:+$body, }\"total\": $SECONDS}" > "$out/run_all_times.json"
+  echo "step seconds: $(cat "$out/run_all_times.json") -> $out/run_all_times.json"
+}
+trap write_times EXIT
+
+step plain_decode python bench/plain_decode.py ${plain_args[@]+"${plain_args[@]}"} --out "$out"
+step spec_round python bench/spec_round.py $tiny --out "$out"
+step acceptance python bench/acceptance.py $tiny --out "$out"
+# the largest cell (batch 64 x prompt 8192) needs ~110 GB: let JAX's allocator take 95% of the GPU
+budget=$(( ${BENCH_BUDGET_S:-480} - SECONDS - 20 ))
+step sweep env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}" \
+  python bench/sweep.py $tiny --out "$out" --budget-s $(( budget > 30 ? budget : 30 )) \
+  --compile-threads "${BENCH_COMPILE_THREADS:-1}"
+step plots python bench/plots.py $tiny --out "$out"
+
+step summary python bench/summary.py $tiny --out "$out" --strict

@@ -1,0 +1,128 @@
+"""The latest measured value of each performance target, from the JSON in a results folder.
+
+Writes `summary.json` (`summary_tiny.json` with `--tiny`) with the keys plain_roofline_ratio,
+round_over_plain_step, speedup_at_tau_6_5 and loop_overhead, plus device, jax_version, date,
+the source file of each number, and the run checks (compiles after warm-up, lossless, skipped
+cells, whether injected proposals let XLA drop the drafter); prints target vs measured. A
+missing source leaves its value null.
+
+    python bench/summary.py                     # reads and writes bench/results
+    python bench/summary.py --out DIR --strict  # exit status 1 if any run compiled after its warm-up
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import common
+
+# key, source, reader, comparison, target, what it is
+TARGETS = (
+    ("plain_roofline_ratio", "plain_decode", lambda d: d["roofline_ratio"], ">=", 0.85,
+     "plain decoding tokens/s over the memory roofline"),
+    ("round_over_plain_step", "spec_round", lambda d: d["headline"]["round_over_plain_step"], "<=", 1.25,
+     "fused speculative round over one plain decode step (block 16)"),
+    ("speedup_at_tau_6_5", "acceptance", lambda d: d["headline"]["speedup_at_tau_6_5"], ">=", 5.0,
+     "speedup over plain at acceptance length 6.5"),
+    ("loop_overhead", "spec_round", lambda d: d["headline"]["loop_overhead"], "<=", 0.05,
+     "fused round over the sum of its phases, minus 1"),
+)
+SOURCES = ("plain_decode", "spec_round", "acceptance", "sweep")
+
+
+def _load(folder: str, name: str, tiny: bool):
+    path = os.path.join(folder, f"{name}{'_tiny' if tiny else ''}.json")
+    if not os.path.exists(path):
+        return None, path
+    with open(path) as f:
+        return json.load(f), path
+
+
+def _measured_at(name: str, d: dict) -> dict:
+    if name == "plain_decode":
+        return {k: d["settings"].get(k) for k in ("batch", "prompt", "new", "impl")}
+    head = d.get("headline") or {}
+    return {k: head.get(k) for k in ("batch", "prompt", "tau", "tau_measured") if k in head}
+
+
+def summarize(folder: str, tiny: bool) -> dict:
+    data = {name: _load(folder, name, tiny) for name in SOURCES}
+    out, targets, sources = {}, {}, {}
+    for key, name, read, op, goal, what in TARGETS:
+        d, path = data[name]
+        try:
+            value = float(read(d)) if d is not None else None
+        except (KeyError, TypeError):
+            value = None
+        met = None if value is None else (value >= goal if op == ">=" else value <= goal)
+        out[key] = value
+        sources[key] = os.path.basename(path)
+        targets[key] = {"target": f"{op} {goal}", "measured": value, "met": met, "what": what,
+                        "source": os.path.basename(path), "source_date": d and d.get("date"),
+                        "measured_at": _measured_at(name, d) if d else None}
+    present = [d for d, _ in data.values() if d is not None]
+    first = present[0] if present else {}
+    checks = {"no_recompile": {}, "lossless": {}, "skipped_cells": [], "drafter_dropped_with_inject": None}
+    for name, (d, path) in data.items():
+        if d is None or name == "plain_decode":
+            continue
+        base = os.path.basename(path)
+        checks["no_recompile"][base] = d.get("no_recompile")
+        runs = [r for c in d.get("cells", []) for r in c.get("runs", []) + c.get("fused", [])]
+        checks["lossless"][base] = all(r["lossless"] for r in runs) if runs else None
+        for c in d.get("cells", []):
+            if c.get("status") not in (None, "ok"):
+                checks["skipped_cells"].append({"file": base, "batch": c["batch"], "prompt": c["prompt"],
+                                                "reason": c.get("reason")})
+    rounds = (data["spec_round"][0] or {}).get("cells", [])
+    if rounds:
+        checks["drafter_dropped_with_inject"] = any(c["phases"]["drafter_dropped_with_inject"] for c in rounds)
+    devices = sorted({d.get("device") for d in present})
+    return out | {
+        "device": first.get("device"), "devices_seen": devices, "jax_version": first.get("jax_version"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "sources": sources, "targets": targets, "checks": checks,
+        "all_targets_met": None if any(t["met"] is None for t in targets.values())
+        else all(t["met"] for t in targets.values()),
+    }
+
+
+def print_table(s: dict) -> None:
+    print(f"{'target':<24} {'goal':>8} {'measured':>10}  met   source")
+    for key, t in s["targets"].items():
+        m = "-" if t["measured"] is None else f"{t['measured']:.3f}"
+        met = {True: "yes", False: "NO", None: "-"}[t["met"]]
+        print(f"{key:<24} {t['target']:>8} {m:>10}  {met:<4}  {t['source']}")
+    c = s["checks"]
+    print(f"no recompile after warm-up: {c['no_recompile']}")
+    print(f"lossless (speculative == plain tokens): {c['lossless']}")
+    if c["drafter_dropped_with_inject"]:
+        print("WARNING: injected proposals let XLA drop the drafter (spec_round: draft_injected_s << draft_s): "
+              "the acceptance-controlled figures do not pay for drafting")
+    for cell in c["skipped_cells"]:
+        print(f"skipped {cell['file']} batch {cell['batch']} prompt {cell['prompt']}: {cell['reason']}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--tiny", action="store_true", help="summarize the *_tiny.json files")
+    ap.add_argument("--strict", action="store_true", help="exit status 1 if a run compiled after its warm-up")
+    args = ap.parse_args(argv)
+    folder = args.out or common.RESULTS
+    s = summarize(folder, args.tiny)
+    common.write_json(f"summary{'_tiny' if args.tiny else ''}.json", s, folder)
+    print_table(s)
+    recompiled = [f for f, ok in s["checks"]["no_recompile"].items() if ok is False]
+    if recompiled:
+        print(f"FAIL: compiled after the warm-up in {recompiled}")
+        if args.strict:
+            sys.exit(1)
+    return s
+
+
+if __name__ == "__main__":
+    main()
