@@ -84,22 +84,24 @@ def test_prefill_then_verify_blocks_equal_uncached_forward(pair):
     _, target = pair
     cfg = target.config
     tokens = _tokens(2, 48, seed=2)
-    full_logits, full_taps = dense.forward(target.params, cfg, tokens, tap_ids=(1,))
+    full_logits, full_taps = (np.asarray(a) for a in dense.forward(target.params, cfg, tokens, tap_ids=(1,)))
     cache = init_kv(2, 64, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, np.float32)
-    # ragged prefill: row 1 is a shorter prompt; its later rows are verified from its own start
+    # ragged prefill: row 1 is a shorter prompt (right-padded); it continues from its own length
     lengths = np.array([10, 6])
-    h, taps, cache = dense.extend(target.params, cfg, cache, tokens[:, :10], np.zeros(2, np.int32), (1,))
+    logits, taps, cache = target.prefill(cache, tokens[:, :10], lengths, (1,))
+    for i in range(2):
+        n = lengths[i]
+        np.testing.assert_allclose(np.asarray(logits[i, :n]), full_logits[i, :n], atol=1e-4 * np.abs(full_logits).max())
+    np.testing.assert_array_equal(np.asarray(cache.seq_len), lengths)
     pos = lengths.copy()
     for width in range(1, 9):
         block = np.stack([tokens[i, pos[i]:pos[i] + width] for i in range(2)])
-        h, taps, cache = dense.extend(target.params, cfg, cache, block, pos.astype(np.int32), (1,))
-        logits = np.asarray(dense.lm_logits(target.params, cfg, h))
+        logits, taps, cache = target.verify(cache, block, pos, (1,))
         for i in range(2):
-            ref = np.asarray(full_logits[i, pos[i]:pos[i] + width])
-            np.testing.assert_allclose(logits[i], ref, atol=1e-4 * np.abs(ref).max(), rtol=0,
+            ref = full_logits[i, pos[i]:pos[i] + width]
+            np.testing.assert_allclose(np.asarray(logits[i]), ref, atol=1e-4 * np.abs(ref).max(), rtol=0,
                                        err_msg=f"verify width {width} row {i} differs from the uncached forward")
-            np.testing.assert_allclose(np.asarray(taps[i]), np.asarray(full_taps[i, pos[i]:pos[i] + width]),
-                                       atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(np.asarray(taps[i]), full_taps[i, pos[i]:pos[i] + width], atol=1e-4, rtol=1e-4)
         pos += width
 
 

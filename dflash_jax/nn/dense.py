@@ -44,6 +44,28 @@ class Target:
         c = self.config
         return init_kv(batch, capacity, c.num_layers, c.num_kv_heads, c.head_dim, self.params["embed"].dtype)
 
+    def prefill(self, cache: KVCache, tokens, lengths, tap_ids: tuple = (), impl: str = "xla"):
+        """Right-padded prompts `tokens [B, T]` with per-row `lengths [B]` into an empty cache.
+
+        Returns `(logits f32[B, T, V], taps [B, T, n_taps*H] or None, cache)` with
+        `cache.seq_len = lengths`. (Generation uses the chunked `decode.prefill`, which keeps
+        only the last row's logits.)
+        """
+        lengths = jnp.asarray(lengths, jnp.int32)
+        start = jnp.zeros_like(lengths)
+        h, taps, cache = extend(self.params, self.config, cache, jnp.asarray(tokens, jnp.int32), start, tap_ids, impl)
+        return lm_logits(self.params, self.config, h), taps, cache.replace(seq_len=lengths)
+
+    def verify(self, cache: KVCache, tokens, start, tap_ids: tuple = (), impl: str = "xla"):
+        """A `[B, W]` block at per-row positions `start [B]`: `(logits f32[B, W, V], taps, cache)`.
+
+        The block's K/V are written; `cache.seq_len` is unchanged, so the caller commits the
+        accepted prefix by moving it (rolling back is not moving it).
+        """
+        start = jnp.asarray(start, jnp.int32)
+        h, taps, cache = extend(self.params, self.config, cache, jnp.asarray(tokens, jnp.int32), start, tap_ids, impl)
+        return lm_logits(self.params, self.config, h), taps, cache
+
 
 def check_token_ids(token_ids, vocab_size: int) -> jax.Array:
     """Validate a 2-D array of token ids on the host; ValueError naming the problem."""
