@@ -42,9 +42,7 @@ import acceptance as acc
 import common
 from dflash_jax import sampling as smp
 from dflash_jax import speculative as spec
-from dflash_jax.decode import PlainLoop, commit
-from dflash_jax.nn import dense
-from dflash_jax.nn import drafter as dr
+from dflash_jax.decode import PlainLoop
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -55,34 +53,13 @@ def draft_step(loop: spec.Loop, target, drafter, s: spec.SpecState):
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def verify_step(loop: spec.Loop, target, drafter, cache, s: spec.SpecState, drafts):
     """Target forward of `[anchor, drafts]` at `cache.seq_len` (K/V written), head, greedy accept."""
-    block = jnp.concatenate([s.anchor[:, None], drafts], axis=1)
-    h, taps, cache = dense.extend(target.params, target.config, cache, block, cache.seq_len,
-                                  drafter.config.target_layer_ids, loop.impl)
-    m, nxt = loop.accept(s, dense.lm_logits(target.params, target.config, h), drafts, smp.OneHotQ())
-    return cache, m, nxt, taps
+    return loop.verify(target, drafter, s.replace(cache=cache), drafts, smp.OneHotQ())
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def commit_step(loop: spec.Loop, drafter, s: spec.SpecState, drafts, m, nxt, taps, stop_tokens):
     """The tail of `Loop.round`: commit, roll back by moving `seq_len`, ingest the block's taps."""
-    dc = drafter.config
-    nd = dc.n_drafts
-    active = ~s.done
-    start = s.cache.seq_len
-    slots = jnp.arange(nd + 1)[None, :]
-    emitted = jnp.where(slots == m[:, None], nxt[:, None], jnp.pad(drafts, ((0, 0), (0, 1))))
-    out, n_out, kept, stopped = commit(s.out, s.n_out, emitted, m + 1, s.done, stop_tokens, s.limit)
-    done = s.done | stopped | (n_out >= s.max_new)
-    anchor = jnp.where(kept > 0, jnp.take_along_axis(emitted, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0], s.anchor)
-    seq_len = start + kept
-    dcache = dr.ingest(drafter.params, dc, s.dcache, taps, start).replace(seq_len=seq_len)
-    a = active.astype(jnp.int32)
-    st = s.stats
-    stats = spec.SpecStats(rounds=st.rounds + a, drafted=st.drafted + a * (s.vt - 1), accepted=st.accepted + a * m,
-                           committed=st.committed + kept,
-                           accept_hist=st.accept_hist + a[:, None] * (slots == m[:, None]))
-    return s.replace(out=out, n_out=n_out, anchor=anchor, done=done, cache=s.cache.replace(seq_len=seq_len),
-                     dcache=dcache, counter=s.counter + a, stats=stats)
+    return loop.advance(drafter, s, s.cache, drafts, m, nxt, taps, stop_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)

@@ -11,7 +11,6 @@ import functools
 import time
 from typing import Callable, Optional, Sequence
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

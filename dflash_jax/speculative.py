@@ -169,20 +169,23 @@ class Loop:
         keys = smp.rng_key(s.rp.seed, s.counter, smp.STREAM_TARGET)
         return smp.speculative_accept(smp.filtered_logprobs(tlogits, s.rp), drafts, q, s.vt, keys)
 
-    def round(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
-        """Draft -> verify -> accept -> commit -> roll back -> ingest."""
+    def verify(self, target: Target, drafter: Drafter, s: SpecState, drafts: jax.Array, q):
+        """The target on `[anchor, drafts]` at `seq_len` (K/V written), then accept:
+        `(cache, m, next, taps)`; `cache.seq_len` is not moved yet."""
+        block = jnp.concatenate([s.anchor[:, None], drafts], axis=1)
+        h, taps, cache = dense.extend(target.params, target.config, s.cache, block, s.cache.seq_len,
+                                      drafter.config.target_layer_ids, self.impl)
+        m, nxt = self.accept(s, dense.lm_logits(target.params, target.config, h), drafts, q)
+        return cache, m, nxt, taps
+
+    @staticmethod
+    def advance(drafter: Drafter, s: SpecState, cache: KVCache, drafts, m, nxt, taps, stop_tokens) -> SpecState:
+        """Commit `anchor + m drafts` and the next token (cut at a stop token or the row's limit),
+        roll back by moving `seq_len`, ingest the kept tokens' taps, count."""
         dc = drafter.config
         nd = dc.n_drafts
         active = ~s.done
-        drafts, q = self.propose(target, drafter, s)
-
         start = s.cache.seq_len
-        block = jnp.concatenate([s.anchor[:, None], drafts], axis=1)
-        h, taps, cache = dense.extend(target.params, target.config, s.cache, block, start, dc.target_layer_ids,
-                                      self.impl)
-        tlogits = dense.lm_logits(target.params, target.config, h)
-        m, nxt = self.accept(s, tlogits, drafts, q)
-
         slots = jnp.arange(nd + 1)[None, :]
         emitted = jnp.where(slots == m[:, None], nxt[:, None], jnp.pad(drafts, ((0, 0), (0, 1))))
         out, n_out, kept, stopped = commit(s.out, s.n_out, emitted, m + 1, s.done, stop_tokens, s.limit)
@@ -198,6 +201,12 @@ class Loop:
                           accept_hist=st.accept_hist + a[:, None] * (slots == m[:, None]))
         return s.replace(out=out, n_out=n_out, anchor=anchor, done=done, cache=cache.replace(seq_len=seq_len),
                          dcache=dcache, counter=s.counter + a, stats=stats)
+
+    def round(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
+        """Draft -> verify -> accept -> commit -> roll back -> ingest."""
+        drafts, q = self.propose(target, drafter, s)
+        cache, m, nxt, taps = self.verify(target, drafter, s, drafts, q)
+        return self.advance(drafter, s, cache, drafts, m, nxt, taps, stop_tokens)
 
     def run(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
         """Rounds until every row is done or has reached its limit."""
