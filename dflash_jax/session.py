@@ -55,11 +55,12 @@ class Session:
     Args mirror `generate`. `capacity` (cache rows) defaults to what the prompts and
     `max_new_tokens` need; a prompt that does not fit is refused naming both numbers.
     `inject` replaces the drafter's proposals (see `speculative.Injected`; tests, benchmarks).
+    `verify_t` caps the anchor plus drafts examined per round (keyword > DFLASH_VERIFY_T > nd + 1).
     """
 
     def __init__(self, target: Target, drafter: Drafter, prompts, *, max_new_tokens: int, stop_tokens=(),
                  sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
-                 impl: Optional[str] = None, inject: Optional[spec.Injected] = None):
+                 impl: Optional[str] = None, inject: Optional[spec.Injected] = None, verify_t: Optional[int] = None):
         spec.check_drafter(target, drafter)
         impl = policy.attention_impl(impl)
         smp.check_speculative(sampling)
@@ -70,7 +71,8 @@ class Session:
         all_greedy = all(s.greedy for s in rows)
         if inject is not None and not all_greedy:
             raise ValueError("injected proposals copy the greedy continuation: use temperature 0 with inject=")
-        self.loop = spec.Loop(int(max_new_tokens), p.chunk, all_greedy, rows[0].proposal, impl)
+        self.loop = spec.Loop(int(max_new_tokens), p.chunk, all_greedy, rows[0].proposal, impl,
+                              policy.verify_cap(verify_t, nd))
         self.target, self.drafter = target, drafter
         self.stop_tokens = stop_array(stop_tokens, target.config.vocab_size)
         t0 = time.perf_counter()

@@ -98,6 +98,8 @@ class Loop:
     temperature 0 (accept by argmax comparison, no distributions materialised).
     proposal: 'argmax' (one-hot q) or 'sample' (each slot drawn from the filtered draft
     distribution, dense q). impl: attention implementation ('xla' | 'pallas').
+    verify_width: the cap vt on the anchor plus drafts examined per round (at most nd + 1);
+    it never changes the output, only how many drafts may be accepted.
     """
 
     max_new_tokens: int
@@ -105,6 +107,7 @@ class Loop:
     all_greedy: bool
     proposal: str = "argmax"
     impl: str = "xla"
+    verify_width: Optional[int] = None
 
     def start(self, target: Target, drafter: Drafter, tokens, lengths, cache, dcache, rp, stop_tokens,
               inject=None) -> SpecState:
@@ -130,7 +133,7 @@ class Loop:
         done = stopped | (n_out >= max_new)
         stats = SpecStats(zeros, zeros, zeros, zeros, jnp.zeros((b, nd + 1), jnp.int32))
         return SpecState(out=out, n_out=n_out, anchor=first, done=done, limit=max_new, max_new=max_new, cache=cache,
-                         dcache=dcache, vt=zeros + nd + 1, counter=zeros + 1, rp=rp, stats=stats, inject=inject)
+                         dcache=dcache, vt=zeros + (self.verify_width or nd + 1), counter=zeros + 1, rp=rp, stats=stats, inject=inject)
 
     def propose(self, target: Target, drafter: Drafter, s: SpecState):
         """Draft one block: `(drafts int32[B, nd], q)` with q the proposal distribution."""

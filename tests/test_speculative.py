@@ -147,3 +147,15 @@ def test_injected_proposals_still_pay_for_the_drafter(target, plain):
         return spec.run.lower(s.loop, target, drafter, s.state, s.stop_tokens).compile().as_text().count(" dot(")
 
     assert dots(_inject(plain, nd, [1] * (nd + 1))) >= dots(None) > 0
+
+
+def test_verify_cap_bounds_acceptance_but_not_the_output(target, plain):
+    drafter = tiny_drafter(target, 8)
+    nd = drafter.config.n_drafts
+    out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=3,
+                             inject=_inject(plain, nd, [0] * nd + [1])).run()
+    assert out.tokens == plain
+    hist = out.stats["accept_hist"]
+    assert sum(hist[3:]) == 0 and hist[2] > 0, f"vt=3 examines at most 2 drafts; histogram {hist}"
+    with pytest.raises(ValueError, match=r"verify cap must be an integer in 2\.\.8"):
+        dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=9)
