@@ -237,8 +237,9 @@ class PlainLoop:
         return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: self.step(target, s, stop_tokens), s)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _plain(loop: PlainLoop, target: Target, tokens, lengths, cache, rp, stop_tokens):
+    """Prefill and decode to the end; the empty cache is donated."""
     return loop.run(target, loop.start(target, tokens, lengths, cache, rp, stop_tokens), stop_tokens)
 
 

@@ -225,8 +225,9 @@ class Loop:
         return jax.lax.while_loop(cond, body, s)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(5, 6))
 def start(loop: Loop, target, drafter, tokens, lengths, cache, dcache, rp, stop_tokens, inject):
+    """Prefill and first token; the empty caches are donated (no second copy of them)."""
     return loop.start(target, drafter, tokens, lengths, cache, dcache, rp, stop_tokens, inject)
 
 
