@@ -445,3 +445,14 @@ def test_verify_cap_resolution_and_refusals():
     for bad in ("1", "17", "eight"):
         with pytest.raises(ValueError, match=f"DFLASH_VERIFY_T='{bad}': verify cap must be an integer in 2..16"):
             policy.verify_cap(None, 15, env={"DFLASH_VERIFY_T": bad})
+
+
+def test_attention_impl_defaults_to_pallas_on_gpu_only_and_honours_overrides():
+    from dflash_jax import policy
+
+    assert policy.attention_impl(env={}, backend="gpu") == "pallas"
+    assert policy.attention_impl(env={}, backend="cpu") == "xla"
+    assert policy.attention_impl(env={"DFLASH_ATTENTION": "xla"}, backend="gpu") == "xla"
+    assert policy.attention_impl("pallas", env={"DFLASH_ATTENTION": "xla"}, backend="cpu") == "pallas"
+    with pytest.raises(ValueError, match=r"DFLASH_ATTENTION='triton'.*choices: xla, pallas"):
+        policy.attention_impl(env={"DFLASH_ATTENTION": "triton"}, backend="gpu")
