@@ -159,3 +159,25 @@ def test_verify_cap_bounds_acceptance_but_not_the_output(target, plain):
     assert sum(hist[3:]) == 0 and hist[2] > 0, f"vt=3 examines at most 2 drafts; histogram {hist}"
     with pytest.raises(ValueError, match=r"verify cap must be an integer in 2\.\.8"):
         dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=9)
+
+
+def test_chunked_prefill_of_long_ragged_prompts_matches_the_uncached_forward(target):
+    """Prompts longer than one prefill chunk (512) go in several chunks; rows of very different
+    lengths share them. Greedy tokens must equal the argmax of the full uncached forward."""
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(0, 64, 700).tolist(), rng.randint(0, 64, 5).tolist()]
+    plain = dflash_jax.generate(target, None, prompts, max_new_tokens=4).tokens
+    for prompt, got in zip(prompts, plain):
+        seq = list(prompt)
+        for _ in range(4):
+            seq.append(int(np.asarray(target.logits([seq]))[0, -1].argmax()))
+        assert got == seq[len(prompt):], f"prompt of {len(prompt)} tokens: {got} != {seq[len(prompt):]}"
+    spec_out = dflash_jax.generate(target, tiny_drafter(target, 4), prompts, max_new_tokens=4).tokens
+    assert spec_out == plain
+
+
+def test_stop_token_chosen_at_prefill_ends_the_row_at_once(target, plain):
+    stop = plain[0][0]
+    out = dflash_jax.generate(target, tiny_drafter(target, 4), PROMPTS, max_new_tokens=MAX_NEW, stop_tokens=[stop])
+    expected = [row[: row.index(stop) + 1] if stop in row else row for row in plain]
+    assert out.tokens == expected and out.tokens[0] == [stop]
