@@ -18,6 +18,6 @@ from dflash_jax.speculative import Injected
 __version__ = "0.1.0"
 
 __all__ = [
-    "Burst", "CheckpointError", "Demo", "load_demo", "Drafter", "DrafterConfig", "Injected", "Proposal", "Result", "Sampling", "Session",
-    "Target", "TargetConfig", "generate", "load_drafter", "load_target", "propose",
+    "Burst", "CheckpointError", "Demo", "Drafter", "DrafterConfig", "Injected", "Proposal", "Result", "Sampling",
+    "Session", "Target", "TargetConfig", "generate", "load_demo", "load_drafter", "load_target", "propose",
 ]

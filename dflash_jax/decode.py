@@ -64,7 +64,8 @@ def pack_prompts(prompts, vocab_size: int, chunk: int = PREFILL_CHUNK) -> Prompt
             raise ValueError(f"prompt {i} must be a flat list of token ids; got shape {a.shape}")
         if a.size == 0:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        if not (np.issubdtype(a.dtype, np.integer) or (a.dtype == object and all(isinstance(t, (int, np.integer)) for t in a))):
+        integral = a.dtype == object and all(isinstance(t, (int, np.integer)) for t in a)
+        if not (np.issubdtype(a.dtype, np.integer) or integral):
             raise ValueError(f"prompt {i} holds non-integer token ids (dtype {a.dtype})")
         a = a.astype(np.int64)
         if a.min() < 0 or a.max() >= vocab_size:

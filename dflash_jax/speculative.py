@@ -43,6 +43,11 @@ class SpecStats:
     accept_hist: jax.Array
 
 
+STREAM_INJECT = 2
+"""`rng_key` stream for drawing the first wrong slot of injected proposals (apart from
+`sampling.STREAM_DRAFT` and `sampling.STREAM_TARGET`)."""
+
+
 @struct.dataclass
 class Injected:
     """Proposals injected in place of the drafter's (tests and acceptance-controlled benchmarks).
@@ -133,7 +138,8 @@ class Loop:
         done = stopped | (n_out >= max_new)
         stats = SpecStats(zeros, zeros, zeros, zeros, jnp.zeros((b, nd + 1), jnp.int32))
         return SpecState(out=out, n_out=n_out, anchor=first, done=done, limit=max_new, max_new=max_new, cache=cache,
-                         dcache=dcache, vt=zeros + (self.verify_width or nd + 1), counter=zeros + 1, rp=rp, stats=stats, inject=inject)
+                         dcache=dcache, vt=zeros + (self.verify_width or nd + 1), counter=zeros + 1, rp=rp,
+                         stats=stats, inject=inject)
 
     def propose(self, target: Target, drafter: Drafter, s: SpecState):
         """Draft one block: `(drafts int32[B, nd], q)` with q the proposal distribution."""
@@ -160,7 +166,7 @@ class Loop:
         b, nd = drafts.shape
         idx = s.n_out[:, None] + jnp.arange(nd)[None, :]
         ref = jnp.take_along_axis(s.inject.reference, idx, axis=1)
-        keys = smp.rng_key(s.rp.seed, s.counter, smp.STREAM_DRAFT + 2)
+        keys = smp.rng_key(s.rp.seed, s.counter, STREAM_INJECT)
         wrong = jax.vmap(lambda k: jax.random.choice(k, nd + 1, p=s.inject.first_wrong))(keys)
         bad = jnp.where(drafts != ref, drafts, (ref + 1) % vocab)
         return jnp.where(jnp.arange(nd)[None, :] == wrong[:, None], bad, ref).astype(jnp.int32)

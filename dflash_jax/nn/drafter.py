@@ -156,7 +156,8 @@ def block_mask(cfg: DrafterConfig, layer: int, anchors: jax.Array, seq_len: int)
     return jnp.concatenate([ctx, blk], axis=-1)
 
 
-def draft_hidden_train(params: dict, cfg: DrafterConfig, taps: jax.Array, x: jax.Array, anchors: jax.Array) -> jax.Array:
+def draft_hidden_train(params: dict, cfg: DrafterConfig, taps: jax.Array, x: jax.Array,
+                       anchors: jax.Array) -> jax.Array:
     """Training forward of many blocks at once: taps `[B,T,n*H]`, block inputs `x [B,A,b,H]`
     at `anchors [B,A]` -> hidden `[B,A,b,H]`. Same maths as `draft_hidden` with an explicit mask."""
     bsz, n_blocks, b, hidden = x.shape
