@@ -181,3 +181,22 @@ def test_stop_token_chosen_at_prefill_ends_the_row_at_once(target, plain):
     out = dflash_jax.generate(target, tiny_drafter(target, 4), PROMPTS, max_new_tokens=MAX_NEW, stop_tokens=[stop])
     expected = [row[: row.index(stop) + 1] if stop in row else row for row in plain]
     assert out.tokens == expected and out.tokens[0] == [stop]
+
+
+def test_plain_greedy_with_penalties_matches_a_reference_loop(target):
+    """Penalties count the prompt and every generated token (Hugging Face semantics)."""
+    prompt = [5, 6, 7, 5, 6]
+    s = dflash_jax.Sampling(repetition_penalty=1.8, frequency_penalty=0.3, presence_penalty=0.2)
+    got = dflash_jax.generate(target, None, [prompt], max_new_tokens=8, sampling=s).tokens[0]
+    seq = list(prompt)
+    for _ in range(8):
+        z = np.asarray(target.logits([seq]))[0, -1].astype(np.float64)
+        counts = np.bincount(seq, minlength=z.size)
+        seen = counts > 0
+        z[seen] = np.where(z[seen] > 0, z[seen] / 1.8, z[seen] * 1.8)
+        z -= 0.3 * counts + 0.2 * seen
+        seq.append(int(z.argmax()))
+    assert got == seq[len(prompt):]
+    assert got != dflash_jax.generate(target, None, [prompt], max_new_tokens=8).tokens[0], "penalties must matter"
+    with pytest.raises(ValueError, match="speculative decoding does not support penalties"):
+        dflash_jax.generate(target, tiny_drafter(target, 4), [prompt], max_new_tokens=8, sampling=s)
