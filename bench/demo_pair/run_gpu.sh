@@ -4,7 +4,7 @@
 #   bash bench/demo_pair/run_gpu.sh DATA WORK [TARGET_STEPS DRAFTER_STEPS BUDGET_S]
 # DATA: the tokenizer step's output plus corpus.py's prompts.json. WORK receives target/,
 # distill.npy, drafter/ and eval_gpu.json. Training stops at BUDGET_S seconds if not done.
-# Defaults: 16.8M distilled tokens (about 10 epochs at 30k steps), after a first attempt with
+# Defaults: 16.8M distilled tokens (about 15 epochs at 30k steps of 32 x 256), after a first attempt with
 # 1M tokens over-fitted (5.1 tokens/round on its data, 1.45 held out). Not yet run at these sizes.
 set -euo pipefail
 DATA=$1; WORK=$2; TSTEPS=${3:-2000}; DSTEPS=${4:-30000}; BUDGET=${5:-200}
