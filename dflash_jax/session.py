@@ -69,6 +69,9 @@ class Session:
         cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, nd + 1, capacity)
         rows = sampling if isinstance(sampling, Sequence) else [sampling]
         all_greedy = all(s.greedy for s in rows)
+        if len({r.proposal for r in rows}) > 1:
+            raise ValueError(f"Sampling.proposal must be the same for every row of a batch; got "
+                             f"{sorted({r.proposal for r in rows})}")
         if inject is not None and not all_greedy:
             raise ValueError("injected proposals copy the greedy continuation: use temperature 0 with inject=")
         self.loop = spec.Loop(int(max_new_tokens), p.chunk, all_greedy, rows[0].proposal, impl,
@@ -79,6 +82,7 @@ class Session:
         self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                                 target.init_cache(p.batch, cap), drafter.init_cache(p.batch, cap),
                                 smp.row_params(sampling, p.batch), self.stop_tokens, inject)
+        jax.block_until_ready(self.state)
         self._n_seen = np.zeros(p.batch, np.int64)
         self.prefill_time_s = time.perf_counter() - t0
         self.wall_time_s = 0.0

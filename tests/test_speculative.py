@@ -200,3 +200,9 @@ def test_plain_greedy_with_penalties_matches_a_reference_loop(target):
     assert got != dflash_jax.generate(target, None, [prompt], max_new_tokens=8).tokens[0], "penalties must matter"
     with pytest.raises(ValueError, match="speculative decoding does not support penalties"):
         dflash_jax.generate(target, tiny_drafter(target, 4), [prompt], max_new_tokens=8, sampling=s)
+
+
+def test_mixed_proposal_kinds_in_one_batch_are_refused(target):
+    rows = [dflash_jax.Sampling(temperature=1.0), dflash_jax.Sampling(temperature=1.0, proposal="sample")]
+    with pytest.raises(ValueError, match=r"proposal must be the same for every row.*\['argmax', 'sample'\]"):
+        dflash_jax.Session(target, tiny_drafter(target, 4), PROMPTS[:2], max_new_tokens=4, sampling=rows)
