@@ -44,3 +44,15 @@ def tiny_drafter(target: Target, block_size: int, seed: int = 1, windows=(None, 
 @pytest.fixture(scope="session")
 def target():
     return tiny_target()
+
+
+def inverted_accept_length(p_draft, q_draft, u, n_valid):
+    """A wrong accept rule for "teeth" tests: accepts exactly when the Leviathan rule rejects."""
+    slot = jnp.arange(p_draft.shape[-1])
+    accepted = ~(u * q_draft < p_draft) & (slot < n_valid[:, None])
+    return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
+
+
+def residual_without_q(p_logprobs, q, draft):
+    """A wrong residual for "teeth" tests: draws from p after a rejection, ignoring q."""
+    return p_logprobs

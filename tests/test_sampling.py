@@ -25,6 +25,7 @@ from dflash_jax.sampling import (
     sample,
     speculative_accept,
 )
+from conftest import inverted_accept_length, residual_without_q
 
 P = np.array([0.30, 0.22, 0.15, 0.12, 0.09, 0.06, 0.04, 0.02], np.float32)
 Q_ROWS = P[::-1].copy()
@@ -359,25 +360,15 @@ def test_every_slot_and_the_bonus_commit_from_their_own_target_row():
         assert d < TV_BOUND, f"slot {slot}: committed token must follow p row {slot} (TV {d:.4f})"
 
 
-def _inverted_accept_length(p_draft, q_draft, u, n_valid):
-    slot = jnp.arange(p_draft.shape[-1])
-    accepted = ~(u * q_draft < p_draft) & (slot < n_valid[:, None])
-    return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
-
-
-def _residual_without_q(p_logprobs, q, draft):
-    return p_logprobs
-
-
 def test_composition_teeth_inverted_accept_fails(monkeypatch):
-    monkeypatch.setattr(S, "accept_length", _inverted_accept_length)
+    monkeypatch.setattr(S, "accept_length", inverted_accept_length)
     d = tv(histogram(_committed_first_token("dense", Q_ROWS)), P)
     assert d > TEETH_BOUND, f"an inverted accept rule must fail the composition bound (TV {d:.4f})"
 
 
 @pytest.mark.parametrize("kind, q", [("sparse", Q_SPARSE), ("dense", Q_ROWS)])
-def test_composition_teeth_residual_without_q_fails(monkeypatch, kind, q):
-    monkeypatch.setattr(S, "residual_logprobs", _residual_without_q)
+def test_composition_teethresidual_without_q_fails(monkeypatch, kind, q):
+    monkeypatch.setattr(S, "residual_logprobs", residual_without_q)
     d = tv(histogram(_committed_first_token(kind, q)), P)
     assert d > TEETH_BOUND, f"a residual that skips q must fail the composition bound (TV {d:.4f})"
 

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -32,7 +31,7 @@ from dflash_jax.nn.dense import Target
 from dflash_jax.nn.drafter import Drafter
 from dflash_jax.sampling import Sampling
 from dflash_jax.session import Session
-from conftest import tiny_drafter, tiny_target
+from conftest import inverted_accept_length, residual_without_q, tiny_drafter, tiny_target
 
 V = 16
 H = 32
@@ -198,16 +197,6 @@ def test_same_seed_gives_the_same_tokens_and_another_seed_different_ones(proposa
 # --- teeth: a wrong rule fails the same check ----------------------------------------------
 
 
-def _inverted_accept_length(p_draft, q_draft, u, n_valid):
-    slot = jnp.arange(p_draft.shape[-1])
-    accepted = ~(u * q_draft < p_draft) & (slot < n_valid[:, None])
-    return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
-
-
-def _residual_without_q(p_logprobs, q, draft):
-    return p_logprobs
-
-
 def _fresh_run():
     """A new jit of the loop, so the patched rule is traced (`speculative.run` keeps its own cache)."""
 
@@ -218,9 +207,9 @@ def _fresh_run():
 
 
 @pytest.mark.parametrize("rule, wrong, proposal", [
-    ("accept_length", _inverted_accept_length, "argmax"),
-    ("residual_logprobs", _residual_without_q, "argmax"),
-    ("residual_logprobs", _residual_without_q, "sample"),
+    ("accept_length", inverted_accept_length, "argmax"),
+    ("residual_logprobs", residual_without_q, "argmax"),
+    ("residual_logprobs", residual_without_q, "sample"),
 ])
 def test_teeth_a_wrong_rule_fails_the_check(monkeypatch, rule, wrong, proposal):
     traced = []
