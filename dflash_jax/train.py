@@ -12,6 +12,8 @@ Per training sequence of `seq_len` tokens:
   against the true token `tok[a_j + k]`, weighted `exp(-(k - 1) / gamma)`: early slots
   matter most because a rejected slot voids every later one. DFlash uses gamma 7 for
   b = 16 (5 for b = 10, 4 for b = 8). The loss is the weighted mean over blocks and rows.
+  With `TrainConfig.labels="target"` the label is instead the target's own argmax at that
+  position (its teacher-forced choice), the token greedy verification would accept.
 
 Windows are cut from one token stream with the eos id between documents; a window, a
 block's context or a block may cross a document boundary. That is left in on purpose: it
@@ -59,6 +61,7 @@ from dflash_jax.nn import dense, drafter
 from dflash_jax.nn.layers import rms_norm
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
+LABELS = ("data", "target")
 INIT_STD = 0.02  # transformers' initializer_range for Qwen3 / Llama
 MASK_TOKEN = "<|mask|>"
 EOT_TOKEN = "<|endoftext|>"
@@ -75,6 +78,10 @@ class TrainConfig:
     progress line and the log are updated (each update waits for the device).
     `time_budget_s` stops training at the first log point past that many seconds (the
     learning-rate schedule still spans `steps`), so a run fits a fixed machine lease.
+    `labels` picks the drafter's targets: "data" is the published objective (the text's own
+    next tokens); "target" uses the frozen target's argmax at each position instead, which is
+    what greedy verification checks, so text the target would not have written still teaches
+    the drafter the target's choices.
     """
 
     steps: int = 1000
@@ -91,6 +98,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     log_every: int = 10
     time_budget_s: Optional[float] = None
+    labels: str = "data"
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq", "log_every"):
@@ -113,6 +121,8 @@ class TrainConfig:
         if self.time_budget_s is not None and not (isinstance(self.time_budget_s, (int, float))
                                                    and self.time_budget_s > 0):
             raise ValueError(f"TrainConfig.time_budget_s {self.time_budget_s!r}: expected seconds > 0, or None")
+        if self.labels not in LABELS:
+            raise ValueError(f"TrainConfig.labels {self.labels!r} is not supported; choices: {', '.join(LABELS)}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"TrainConfig.compute_dtype {self.compute_dtype!r} is not supported; choices: "
@@ -171,11 +181,12 @@ def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def drafter_loss(params: dict, target_params: dict, tokens: jax.Array, anchors: jax.Array, *,
-                 target_cfg: TargetConfig, cfg: DrafterConfig, weights, dtype) -> tuple:
+                 target_cfg: TargetConfig, cfg: DrafterConfig, weights, dtype, labels: str = "data") -> tuple:
     """(loss, metrics) of the DFlash objective on windows `tokens [B, T]` with `anchors [B, A]`.
 
     `params` are the drafter's float32 master weights (cast to `dtype` here, so gradients
-    come back in float32); `target_params` are already in `dtype` and stay frozen.
+    come back in float32); `target_params` are already in `dtype` and stay frozen. `labels`
+    is `TrainConfig.labels`.
     """
     bsz, t = tokens.shape
     n_blocks, b, hidden = anchors.shape[1], cfg.block_size, target_cfg.hidden_size
@@ -186,7 +197,6 @@ def drafter_loss(params: dict, target_params: dict, tokens: jax.Array, anchors: 
     taps, final = taps[..., :-hidden], taps[..., -hidden:]
     positions = anchors[:, :, None] + jnp.arange(b, dtype=jnp.int32)  # [B, A, b]
     block_tokens = _gather_rows(tokens, positions)
-    labels = block_tokens[..., 1:]
     # The target's own choice for row k is its argmax at position a + k - 1.
     h_target = rms_norm(_gather_rows(final, positions[..., :-1]), target_params["final_norm"], target_cfg.rms_norm_eps)
     target_choice = jnp.argmax(dense.lm_logits(target_params, target_cfg, h_target), axis=-1)
@@ -194,7 +204,7 @@ def drafter_loss(params: dict, target_params: dict, tokens: jax.Array, anchors: 
     h = drafter.draft_hidden_train(_cast(params, dtype), cfg, taps, x.reshape(bsz, n_blocks, b, hidden), anchors)
     logits = drafter.draft_logits(target_params, target_cfg, cfg, h.reshape(bsz * n_blocks, b, hidden))
     logits = logits.reshape(bsz, n_blocks, b - 1, -1)
-    loss = weighted_block_ce(logits, labels, weights)
+    loss = weighted_block_ce(logits, block_tokens[..., 1:] if labels == "data" else target_choice, weights)
     draft = jnp.argmax(logits, axis=-1)
     metrics = {
         "acc_len": jnp.mean(acceptance_length(draft, target_choice).astype(jnp.float32)),
@@ -474,7 +484,8 @@ def _check_drafter_for_target(target_cfg: TargetConfig, cfg: DrafterConfig, para
 
 def _drafter_loss_fn(target_cfg: TargetConfig, cfg: DrafterConfig, tc: TrainConfig) -> Callable:
     return functools.partial(drafter_loss, target_cfg=target_cfg, cfg=cfg,
-                             weights=loss_weights(cfg.block_size, tc.gamma), dtype=jnp.dtype(tc.compute_dtype))
+                             weights=loss_weights(cfg.block_size, tc.gamma), dtype=jnp.dtype(tc.compute_dtype),
+                             labels=tc.labels)
 
 
 def _drafter_batches(rng: np.random.Generator, data: np.ndarray, cfg: DrafterConfig, tc: TrainConfig) -> Callable:
@@ -654,6 +665,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dtype", default=d.compute_dtype, choices=COMPUTE_DTYPES, help="compute dtype")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--time-budget", type=float, help="stop after this many seconds and export (default: no limit)")
+    p.add_argument("--labels", default=d.labels, choices=LABELS,
+                   help="data: the corpus's next tokens (published objective, default); target: the target's "
+                        "argmax at each position (learns the target's choices from any text)")
     p.set_defaults(func=cli_train_drafter)
 
 
@@ -668,7 +682,7 @@ def _prepare(args) -> tuple:
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq,
         lr=args.lr, warmup_steps=min(100, args.steps // 10) if args.warmup_steps is None else args.warmup_steps,
         gamma=args.gamma, seed=args.seed, compute_dtype=args.dtype, checkpoint_every=args.checkpoint_every,
-        time_budget_s=args.time_budget,
+        time_budget_s=args.time_budget, labels=args.labels,
     )
     tokenizer = _tokenizer(args.target)
     mask_id = args.mask_token_id

@@ -91,14 +91,15 @@ def test_acceptance_length_counts_leading_agreements_plus_the_bonus_token():
     assert got == [5, 1, 3, 4], f"1 + agreeing prefix length per block, later agreements ignored; got {got}"
 
 
-def test_drafter_loss_and_metrics_equal_a_per_block_inference_reference(target):
+@pytest.mark.parametrize("labels", train.LABELS)
+def test_drafter_loss_and_metrics_equal_a_per_block_inference_reference(target, labels):
     drafter = tiny_drafter(target, 4)
     cfg, tcfg = drafter.config, target.config
     tokens = np.random.default_rng(1).integers(2, 60, (2, 12)).astype(np.int32)
     anchors = np.array([[2, 5], [1, 8]], np.int32)
     gamma = 1.5
     loss_fn = jax.jit(functools.partial(train.drafter_loss, target_cfg=tcfg, cfg=cfg,
-                                        weights=train.loss_weights(4, gamma), dtype=jnp.float32))
+                                        weights=train.loss_weights(4, gamma), dtype=jnp.float32, labels=labels))
     loss, metrics = loss_fn(drafter.params, target.params, jnp.asarray(tokens), jnp.asarray(anchors))
     taps, _ = _train_hidden(drafter, target, jnp.asarray(tokens), jnp.asarray(anchors))
     target_choice = np.asarray(jnp.argmax(target.logits(tokens), axis=-1))
@@ -108,8 +109,9 @@ def test_drafter_loss_and_metrics_equal_a_per_block_inference_reference(target):
         for a in anchors[row]:
             _, logits = _inference_block(drafter, target, taps[row], jnp.asarray(tokens[row]), a)
             logits = np.asarray(logits, np.float64)
-            labels = tokens[row, a + 1:a + 4]
-            ce = np.log(np.exp(logits).sum(-1)) - logits[np.arange(3), labels]
+            # "data": the text's next tokens; "target": the target's argmax, for a+k found at a+k-1
+            want = tokens[row, a + 1:a + 4] if labels == "data" else target_choice[row, a:a + 3]
+            ce = np.log(np.exp(logits).sum(-1)) - logits[np.arange(3), want]
             total += float((w * ce).sum())
             match = logits.argmax(-1) == target_choice[row, a:a + 3]  # target's choice for a+k is at a+k-1
             agree.append(match)
@@ -134,7 +136,7 @@ def test_sample_anchors_are_distinct_and_leave_context_and_a_whole_block():
 @pytest.mark.parametrize("field, value", [
     ("steps", 0), ("batch_size", -1), ("seq_len", 1), ("anchors_per_seq", 0), ("lr", 0.0), ("lr", float("nan")),
     ("warmup_steps", 10), ("weight_decay", -0.1), ("grad_clip", 0.0), ("gamma", -1.0), ("compute_dtype", "float16"),
-    ("checkpoint_every", -1), ("log_every", 0), ("steps", 2.5),
+    ("checkpoint_every", -1), ("log_every", 0), ("steps", 2.5), ("labels", "argmax"),
 ])
 def test_train_config_refuses_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"TrainConfig.{field}"):
@@ -259,10 +261,12 @@ def test_cli_train_drafter_tokenizes_trains_and_exports(tmp_path, capsys):
     out = tmp_path / "drafter"
     rc = _run_cli(["train-drafter", "--target", str(tmp_path), "--corpus", str(corpus), "--out", str(out),
                    "--layers", "1", "--block-size", "4", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
-                   "--anchors-per-seq", "4", "--dtype", "float32"])
+                   "--anchors-per-seq", "4", "--dtype", "float32", "--labels", "target"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "acc-len" in captured.err, "the progress line reports the acceptance-length estimate"
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["train_config"]["labels"] == "target", "--labels reaches the TrainConfig"
     cfg, _ = read_drafter(out, target.config)
     assert cfg.mask_token_id == 1, "the default mask token is the tokenizer's <|mask|>"
     assert cfg.block_size == 4 and cfg.num_layers == 1 and cfg.target_layer_ids == (target.config.num_layers // 2,)

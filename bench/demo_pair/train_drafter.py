@@ -52,6 +52,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-file", type=Path, default=None,
                         help="training token stream (.npy); default DATA/train.npy (distill.py writes a better one)")
+    parser.add_argument("--labels", default="data", choices=train.LABELS,
+                        help="drafter targets: the text's tokens, or the target's argmax (TrainConfig.labels)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="stop training after this many seconds (the schedule still spans --steps)")
     args = parser.parse_args(argv)
@@ -72,7 +74,7 @@ def main(argv=None) -> None:
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq,
         lr=args.lr, warmup_steps=min(100, args.steps // 10) if args.warmup_steps is None else args.warmup_steps,
         weight_decay=0.01, grad_clip=1.0, gamma=args.gamma, seed=args.seed, compute_dtype=args.dtype,
-        log_every=args.log_every, time_budget_s=args.time_budget,
+        log_every=args.log_every, time_budget_s=args.time_budget, labels=args.labels,
     )
     train_data = np.load(args.train_file or args.data / "train.npy").astype(np.int32)
     heldout = np.load(args.data / "heldout.npy").astype(np.int32)
