@@ -34,6 +34,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--eos-id", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="stop starting new batches after this many seconds (keeps what is done)")
     args = ap.parse_args(argv)
     target = dflash_jax.load_target(args.target, args.dtype)
     data = np.load(os.path.join(args.data, "train.npy")).astype(np.int32)
@@ -46,6 +48,9 @@ def main(argv=None):
             pieces += [p, np.asarray(c, np.int32), np.asarray([args.eos_id], np.int32)]
         rate = (done + args.batch) * args.new / (time.perf_counter() - t0)
         print(f"{done + args.batch}/{args.n_seqs} sequences, {rate:.0f} generated tokens/s", file=sys.stderr, flush=True)
+        if args.time_budget is not None and time.perf_counter() - t0 > args.time_budget:
+            print(f"time budget {args.time_budget:.0f}s reached; stopping", file=sys.stderr)
+            break
     stream = np.concatenate(pieces).astype(np.int32)
     np.save(args.out, stream)
     print(f"wrote {args.out}: {stream.size:,} tokens", file=sys.stderr)
