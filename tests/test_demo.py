@@ -39,7 +39,7 @@ def test_demo_drafter_is_lossless_and_accepts_drafts():
     spec = dflash_jax.generate(demo.target, demo.drafter, [ids], max_new_tokens=48)
     plain = dflash_jax.generate(demo.target, None, [ids], max_new_tokens=48)
     assert spec.tokens == plain.tokens
-    assert spec.stats["acceptance_length"] > 1.2, "the trained drafter must get drafts accepted"
+    assert spec.stats["acceptance_length"] > 2.5, "the trained drafter must get drafts accepted (3.13 when shipped)"
 
 
 def test_cli_generate_streams_the_demo_and_reports(capsys):
