@@ -59,8 +59,34 @@ def _random_tree(shapes, dtype, seed: int):
     return jax.tree.unflatten(treedef, [make(k, s) for k, s in zip(keys, leaves)])
 
 
+RESIDUAL_SCALE = 0.1  # of the attention and MLP output projections in `random_target`
+
+
 def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0) -> Target:
-    return Target(cfg, _random_tree(target_param_shapes(cfg), dtype, seed))
+    """Random weights with a planted next-token map, so greedy argmax has a wide margin.
+
+    Plain random weights make a chaotic model whose logits are nearly flat: a 16-row verify
+    and a 1-row decode step, which round differently in bf16, then pick different argmaxes at
+    most positions, and acceptance cannot be controlled from the plain continuation. Here the
+    embedding rows are N(0, 1), the output projections of every layer are scaled by
+    `RESIDUAL_SCALE` (the layers still run, and perturb, but the residual stays near the
+    current token's embedding) and the LM head's column `j` is the embedding of token
+    `perm[j]`, so the target predicts `perm^-1(current token)` with a margin of thousands of
+    logits: a long non-repeating cycle. Speed does not depend on the values; every matrix
+    keeps its shape and remains dense random bf16.
+    """
+    params = _random_tree(target_param_shapes(cfg), dtype, seed)
+    k_embed, k_perm = jax.random.split(jax.random.key(seed + 7919))
+    embed = jax.jit(lambda k: jax.random.normal(k, (cfg.vocab_size, cfg.hidden_size), jnp.float32).astype(dtype))(
+        k_embed)
+    params["embed"] = embed
+    for layer in params["layers"]:
+        layer["wo"] = layer["wo"] * jnp.asarray(RESIDUAL_SCALE, dtype)
+        layer["w_down"] = layer["w_down"] * jnp.asarray(RESIDUAL_SCALE, dtype)
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = jax.jit(lambda e, k: jnp.take(e, jax.random.permutation(k, e.shape[0]), axis=0).T)(
+            embed, k_perm)
+    return Target(cfg, params)
 
 
 def random_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 1) -> Drafter:
