@@ -6,8 +6,9 @@ each weight shape of a Qwen3-8B layer and its LM head, at M = 1, 16 and 64, with
 stored two ways: `in_out` `[K, N]` (how dflash-jax stores it) and `out_in` `[N, K]`
 (Hugging Face's layout, contracted on its last axis). Each timing runs the product against
 `--copies` distinct weights (more bytes than the L2 cache), `--reps` calls back to back with
-one block at the end, and reports microseconds per product and the achieved bandwidth (weight bytes / time) over the HBM bandwidth measured in
-the same run.
+one block at the end; it reports microseconds per product, the kernels XLA chose, and the
+achieved bandwidth (weight bytes / time) over the copy bandwidth measured in the same run
+(`common.hbm_bandwidth`, read plus write: a read-only GEMV can exceed 1).
 
     python bench/gemm_check.py [--tiny] [--out DIR]     # writes gemm_check.json
 """
@@ -42,7 +43,7 @@ def product(layout: str):
 
 
 def kernels(fn, *args) -> list:
-    """What XLA lowered the products to: custom-call targets and fusion kinds, in order, deduplicated."""
+    """What XLA lowered the products to: the custom-call targets and fusion kinds, sorted, once each."""
     text = fn.lower(*args).compile().as_text()
     found = re.findall(r'custom_call_target="([^"]+)"|"kind":"([^"]+)"', text)
     return sorted({a or b for a, b in found})
@@ -69,7 +70,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--copies", type=int, default=8, help="distinct weights per timing (8 x 100 MB > L2)")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=50, help="calls timed back to back")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: tests the script, not the speed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

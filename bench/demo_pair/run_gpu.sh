@@ -4,7 +4,7 @@
 #   bash bench/demo_pair/run_gpu.sh DATA WORK [TARGET_STEPS DRAFTER_STEPS BUDGET_S]
 # DATA: the tokenizer step's output plus corpus.py's prompts.json. WORK receives target/,
 # distill.npy, drafter/ and eval_gpu.json. Training stops at BUDGET_S seconds if not done.
-# Defaults: a target trained for about 5.6 passes (a 19-pass one over-fitted: held-out loss 3.38
+# Defaults: a target trained for about 5.7 passes (a 19-pass one over-fitted: held-out loss 3.38
 # against 0.74 in training); up to 25M distilled tokens (distillation stops starting batches
 # after 120 s); a drafter trained on the target's own argmax (--labels target), so the
 # corpus prompts inside the distilled stream teach the target's choices too.
