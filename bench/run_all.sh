@@ -57,6 +57,7 @@ step plain_decode python bench/plain_decode.py ${plain_args[@]+"${plain_args[@]}
 step spec_round python bench/spec_round.py $tiny --out "$out"
 step acceptance python bench/acceptance.py $tiny --out "$out"
 step gemm_check python bench/gemm_check.py $tiny --out "$out"
+step profile_round python bench/profile_round.py $tiny --out "$out"
 # the largest cell (batch 64 x prompt 8192) needs ~110 GB: let JAX's allocator take 95% of the GPU
 budget=$(( ${BENCH_BUDGET_S:-480} - SECONDS - 20 ))
 step sweep env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}" \

@@ -37,7 +37,7 @@ def _load(folder, name):
 
 
 def test_run_all_tiny_writes_every_figure_and_the_summary(tiny_results):
-    for name in ("plain_decode", "spec_round", "acceptance", "gemm_check", "sweep", "summary"):
+    for name in ("plain_decode", "spec_round", "acceptance", "gemm_check", "profile_round", "sweep", "summary"):
         assert (tiny_results / f"{name}_tiny.json").is_file(), f"{name}_tiny.json missing"
     summary = _load(tiny_results, "summary")
     for key in ("plain_roofline_ratio", "round_over_plain_step", "speedup_at_tau_6_5", "loop_overhead"):

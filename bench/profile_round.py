@@ -1,0 +1,133 @@
+"""Where a plain step's and a speculative round's device time goes, kernel by kernel.
+
+Runs the compiled plain loop and the fused speculative loop (injected proposals at a fixed
+acceptance, the real drafter still running) once each under `jax.profiler.trace`, reads the
+Perfetto trace it writes, and sums the device events (GPU kernels and copies; on a CPU, the
+XLA threads' events) per name. Per step (plain) or per round (speculative) it reports:
+
+  wall_us  loop wall time / steps or rounds
+  busy_us  union of the device events' intervals / steps or rounds
+  idle_us  wall - busy: launch gaps and host work the device waits on
+  kernels  launched per step or round
+  top      the `--top` names by time: calls and microseconds per step or round, share of busy
+  source   "device" (GPU kernels from CUPTI) or "host" (the XLA threads: a CPU, or no CUPTI)
+
+The gap between `busy` and the weight bytes over bandwidth says how much a step loses to
+small kernels, and `top` says which ones.
+
+    python bench/profile_round.py [--tiny] [--out DIR]     # writes profile_round.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+import acceptance as acc
+import common
+from dflash_jax import policy
+
+CPU_ENVELOPES = ("ThunkExecutor::Execute",)  # CPU trace events that wrap the kernels, not kernels
+
+
+def device_events(trace: dict) -> tuple:
+    """`(events, source)`: the complete ('X') events of the device processes ("device"), or,
+    where the trace has none (a CPU, or a GPU without CUPTI), of the host's XLA threads ("host")."""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    device = [e for e in events if names.get(e["pid"], "").startswith("/device:")]
+    if device:
+        return device, "device"
+    host = [e for e in events if "XLA" in threads.get((e["pid"], e.get("tid")), "")
+            and "PjRt" not in threads.get((e["pid"], e.get("tid")), "")]
+    return [e for e in host if e["name"] not in CPU_ENVELOPES], "host"
+
+
+def busy_us(events: list) -> float:
+    """Length of the union of the events' [ts, ts + dur) intervals, microseconds."""
+    total, end = 0.0, -np.inf
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def summarize(found: tuple, wall_s: float, units: int, top: int) -> dict:
+    events, source = found
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        per_name[e["name"]][0] += 1
+        per_name[e["name"]][1] += e["dur"]
+    busy = busy_us(events) / units
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"source": source, "units": units, "wall_us": wall_s * 1e6 / units, "busy_us": busy, "idle_us": wall_s * 1e6 / units - busy,
+            "kernels": len(events) / units,
+            "top": [{"name": n[:160], "calls": c / units, "us": t / units, "share_of_busy": t / units / busy}
+                    for n, (c, t) in ranked]}
+
+
+def traced(fn, log_dir: str):
+    """`(result, wall seconds, trace dict)` of `fn()` run under the profiler."""
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        result = fn()
+        wall = time.perf_counter() - t0
+    path = sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")))[-1]
+    with gzip.open(path) as f:
+        return result, wall, json.load(f)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--tau", type=float, default=6.0, help="injected acceptance length (integer: every round alike)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--impl", default=None, choices=["xla", "pallas"], help="default: pallas on GPU")
+    ap.add_argument("--tiny", action="store_true", help="tiny float32 model on the CPU: tests the script")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    impl = policy.attention_impl(args.impl)
+    prompt, new = (32, 32) if args.tiny else (args.prompt, args.new)
+    target, drafter = acc.models(args.tiny)
+    cell = acc.open_cell(target, drafter, args.batch, prompt, new, impl, "synthetic")
+    reference, _, _ = cell.run_plain()
+    probs = acc.first_wrong_probs(args.tau, cell.nd)
+    cell.run_spec(cell.injected(reference, probs))  # compiles, as run_plain did; each run donates its proposals
+    cell.run_plain()
+    with tempfile.TemporaryDirectory() as tmp:
+        (_, plain_wall, steps), _, plain_trace = traced(cell.run_plain, os.path.join(tmp, "plain"))
+        run, spec_wall, spec_trace = traced(lambda: cell.run_spec(cell.injected(reference, probs)),
+                                           os.path.join(tmp, "spec"))
+    rounds = int(np.max(run.stats.rounds))
+    plain = summarize(device_events(plain_trace), plain_wall, steps, args.top)
+    spec = summarize(device_events(spec_trace), spec_wall, rounds, args.top)
+    payload = common.environment(batch=args.batch, prompt=prompt, new=new, tau=args.tau, impl=impl, tiny=args.tiny)
+    payload.update(weight_bytes=common.target_step_bytes(target), drafter_bytes=common.nbytes(drafter.params),
+                   plain_step=plain, spec_round=spec, round_over_step_busy=spec["busy_us"] / plain["busy_us"])
+    for label, s in (("plain step", plain), ("spec round", spec)):
+        print(f"{label}: wall {s['wall_us']:.0f} us, busy {s['busy_us']:.0f} us, idle {s['idle_us']:.0f} us, "
+              f"{s['kernels']:.0f} kernels")
+        for k in s["top"][:10]:
+            print(f"   {k['us']:8.1f} us  {k['calls']:6.1f}x  {k['share_of_busy']:5.1%}  {k['name'][:90]}")
+    common.write_json("profile_round_tiny.json" if args.tiny else "profile_round.json", payload, args.out)
+
+
+if __name__ == "__main__":
+    main()
