@@ -10,9 +10,9 @@
 # printed and written to OUT_DIR/run_all_times.json. Exit status 1 if any run compiled after its
 # warm-up (summary.py --strict).
 #
-# Knobs (environment): BENCH_BUDGET_S (default 480): the sweep skips, and records as skipped,
+# Knobs (environment): BENCH_BUDGET_S (default 540): the sweep skips, and records as skipped,
 # the cells that would end past this many seconds from the start of this script (20 s are kept
-# for the plots and the summary); BENCH_COMPILE_THREADS (default 1): > 1 compiles every sweep
+# for the plots and the summary); BENCH_COMPILE_THREADS (default 3): > 1 compiles every sweep
 # cell's loops up front, that many at a time (faster; GEMM autotuning then shares the GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,10 +59,10 @@ step acceptance python bench/acceptance.py $tiny --out "$out"
 step gemm_check python bench/gemm_check.py $tiny --out "$out"
 step profile_round python bench/profile_round.py $tiny --out "$out"
 # the largest cell (batch 64 x prompt 8192) needs ~110 GB: let JAX's allocator take 95% of the GPU
-budget=$(( ${BENCH_BUDGET_S:-480} - SECONDS - 20 ))
+budget=$(( ${BENCH_BUDGET_S:-540} - SECONDS - 20 ))
 step sweep env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}" \
   python bench/sweep.py $tiny --out "$out" --budget-s $(( budget > 30 ? budget : 30 )) \
-  --compile-threads "${BENCH_COMPILE_THREADS:-1}"
+  --compile-threads "${BENCH_COMPILE_THREADS:-3}"
 step plots python bench/plots.py $tiny --out "$out"
 
 step summary python bench/summary.py $tiny --out "$out" --strict
