@@ -149,6 +149,22 @@ def test_injected_proposals_still_pay_for_the_drafter(target, plain):
     assert dots(_inject(plain, nd, [1] * (nd + 1))) >= dots(None) > 0
 
 
+@pytest.mark.parametrize("injected, sampling", [
+    (False, dflash_jax.Sampling()), (True, dflash_jax.Sampling()),
+    (False, dflash_jax.Sampling(temperature=0.8, top_k=8, top_p=0.9, min_p=0.05, proposal="sample")),
+])
+def test_the_round_loop_has_no_nested_loop(target, plain, injected, sampling):
+    """On a GPU every while loop iteration waits for its predicate on the host; a loop nested in
+    the round (random.choice's searchsorted was one) costs a host sync per inner iteration.
+    Lowered for CUDA (no GPU needed): on the CPU, threefry itself lowers to loops."""
+    drafter = tiny_drafter(target, 4)
+    inject = _inject(plain, drafter.config.n_drafts, [1] * (drafter.config.n_drafts + 1)) if injected else None
+    s = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=inject, sampling=sampling)
+    traced = spec.run.trace(s.loop, target, drafter, s.state, s.stop_tokens)
+    hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("stablehlo.while") == 1, "the speculative loop must be the only loop"
+
+
 def test_verify_cap_bounds_acceptance_but_not_the_output(target, plain):
     drafter = tiny_drafter(target, 8)
     nd = drafter.config.n_drafts
