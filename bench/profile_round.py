@@ -1,7 +1,9 @@
 """Where a plain step's and a speculative round's device time goes, kernel by kernel.
 
-Runs the compiled plain loop and the fused speculative loop (injected proposals at a fixed
-acceptance, the real drafter still running) once each under `jax.profiler.trace`, reads the
+Runs the compiled plain loop and the fused speculative loop, with injected proposals at a fixed
+acceptance (the real drafter still running) and with the random drafter's own proposals
+(`spec_round_real`: about one token a round; a separate program, which ran 0.2-0.3 ms a round
+faster than the injected one on the H200), once each under `jax.profiler.trace`, reads the
 Perfetto trace it writes, and sums the device events (GPU kernels and copies; on a CPU, the
 XLA threads' events) per name. Per step (plain) or per round (speculative) it reports:
 
@@ -110,18 +112,21 @@ def main(argv=None) -> None:
     reference, _, _ = cell.run_plain()
     probs = acc.first_wrong_probs(args.tau, cell.nd)
     cell.run_spec(cell.injected(reference, probs))  # compiles, as run_plain did; each run donates its proposals
+    cell.run_spec(None)
     cell.run_plain()
     with tempfile.TemporaryDirectory() as tmp:
         (_, plain_wall, steps), _, plain_trace = traced(cell.run_plain, os.path.join(tmp, "plain"))
         run, spec_wall, spec_trace = traced(lambda: cell.run_spec(cell.injected(reference, probs)),
                                            os.path.join(tmp, "spec"))
-    rounds = int(np.max(run.stats.rounds))
+        real, real_wall, real_trace = traced(lambda: cell.run_spec(None), os.path.join(tmp, "real"))
     plain = summarize(device_events(plain_trace), plain_wall, steps, args.top)
-    spec = summarize(device_events(spec_trace), spec_wall, rounds, args.top)
+    spec = summarize(device_events(spec_trace), spec_wall, int(np.max(run.stats.rounds)), args.top)
+    spec_real = summarize(device_events(real_trace), real_wall, int(np.max(real.stats.rounds)), args.top)
     payload = common.environment(batch=args.batch, prompt=prompt, new=new, tau=args.tau, impl=impl, tiny=args.tiny)
     payload.update(weight_bytes=common.target_step_bytes(target), drafter_bytes=common.nbytes(drafter.params),
-                   plain_step=plain, spec_round=spec, round_over_step_busy=spec["busy_us"] / plain["busy_us"])
-    for label, s in (("plain step", plain), ("spec round", spec)):
+                   plain_step=plain, spec_round=spec, spec_round_real=spec_real,
+                   round_over_step_busy=spec["busy_us"] / plain["busy_us"])
+    for label, s in (("plain step", plain), ("spec round (injected)", spec), ("spec round (real drafter)", spec_real)):
         print(f"{label}: wall {s['wall_us']:.0f} us, busy {s['busy_us']:.0f} us, idle {s['idle_us']:.0f} us, "
               f"{s['kernels']:.0f} kernels")
         for k in s["top"][:10]:
