@@ -109,18 +109,21 @@ def kv_bytes(cfg, live_tokens: float, batch: int = 1, itemsize: int = 2) -> floa
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * live_tokens * batch
 
 
-def hbm_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
-    """Device-to-device streaming bandwidth in bytes/s: read + write of a large buffer."""
-    n = int(gib * (1 << 30) // 4)
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0001 + 1.0)
-    f(x).block_until_ready()
+def _bytes_per_s(fn, x, moved: int, reps: int) -> float:
+    """`moved` bytes over the median time of the jitted `fn(x)` (compiled first)."""
+    fn(x).block_until_ready()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        f(x).block_until_ready()
+        fn(x).block_until_ready()
         times.append(time.perf_counter() - t0)
-    return 2 * n * 4 / statistics.median(times)
+    return moved / statistics.median(times)
+
+
+def hbm_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
+    """Device-to-device streaming bandwidth in bytes/s: read + write of a large buffer."""
+    n = int(gib * (1 << 30) // 4)
+    return _bytes_per_s(jax.jit(lambda a: a * 1.0001 + 1.0), jnp.ones((n,), jnp.float32), 2 * n * 4, reps)
 
 
 def hbm_read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
@@ -130,15 +133,7 @@ def hbm_read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
     GEMV read 4.49 TB/s where the copy moved 3.7 TB/s), so a roofline over this is stricter.
     """
     n = int(gib * (1 << 30) // 2)
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return n * 2 / statistics.median(times)
+    return _bytes_per_s(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), jnp.ones((n,), jnp.bfloat16), n * 2, reps)
 
 
 def timed(fn, *args, reps: int = 5, warmup: int = 1):
