@@ -36,8 +36,20 @@ class RopeConfig:
         return dict(self.params).get(name, default)
 
 
+class _AttentionWidths:
+    """Projection widths of a config with `num_heads`, `num_kv_heads` and `head_dim`."""
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
 @dataclasses.dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(_AttentionWidths):
     """A dense decoder target (Qwen3 or Llama). Field names follow DESIGN.md §3."""
 
     arch: str  # 'qwen3' | 'llama'
@@ -61,17 +73,9 @@ class TargetConfig:
         """Qwen3 normalises q and k per head before RoPE; Llama does not."""
         return self.arch == "qwen3"
 
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
 
 @dataclasses.dataclass(frozen=True)
-class DrafterConfig:
+class DrafterConfig(_AttentionWidths):
     """A block-diffusion drafter (DESIGN.md §4-6) as the census decided it.
 
     `layer_window[i]` is the sliding window of draft layer i, or None for full attention.
@@ -123,14 +127,6 @@ class DrafterConfig:
     @property
     def n_taps(self) -> int:
         return len(self.target_layer_ids)
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def heads(self) -> tuple:
