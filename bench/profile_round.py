@@ -12,12 +12,15 @@ XLA threads' events) per name. Per step (plain) or per round (speculative) it re
   idle_us  wall - busy: launch gaps and host work the device waits on
   kernels  launched per step or round
   top      the `--top` names by time: calls and microseconds per step or round, share of busy
+  kinds    the same, names grouped by kind (trailing numbers dropped: the unrolled layers'
+           `fusion.12`, `fusion.47` are one kind)
   source   "device" (GPU kernels from CUPTI) or "host" (the XLA threads: a CPU, or no CUPTI)
 
 The gap between `busy` and the weight bytes over bandwidth says how much a step loses to
 small kernels, and `top` says which ones.
 
     python bench/profile_round.py [--tiny] [--out DIR]     # writes profile_round.json
+    python bench/profile_round.py --keep DIR                # also the traces and compiled HLO
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import glob
 import gzip
 import json
 import os
+import re
+import shutil
 import tempfile
 import time
 
@@ -69,18 +74,29 @@ def busy_us(events: list) -> float:
     return total
 
 
+def kind(name: str) -> str:
+    """A kernel name without its trailing instance numbers (`loop_add_fusion.12` -> `loop_add_fusion`)."""
+    return re.sub(r"([._]\d+)+$", "", name)
+
+
+def ranked(events: list, key, units: int, busy: float, top: int) -> list:
+    """The `top` groups of `events` by `key(name)`: calls and microseconds per unit, share of busy."""
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        g = groups[key(e["name"])]
+        g[0] += 1
+        g[1] += e["dur"]
+    best = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": n[:160], "calls": c / units, "us": t / units, "share_of_busy": t / units / busy}
+            for n, (c, t) in best]
+
+
 def summarize(found: tuple, wall_s: float, units: int, top: int) -> dict:
     events, source = found
-    per_name = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        per_name[e["name"]][0] += 1
-        per_name[e["name"]][1] += e["dur"]
     busy = busy_us(events) / units
-    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"source": source, "units": units, "wall_us": wall_s * 1e6 / units, "busy_us": busy, "idle_us": wall_s * 1e6 / units - busy,
-            "kernels": len(events) / units,
-            "top": [{"name": n[:160], "calls": c / units, "us": t / units, "share_of_busy": t / units / busy}
-                    for n, (c, t) in ranked]}
+    return {"source": source, "units": units, "wall_us": wall_s * 1e6 / units, "busy_us": busy,
+            "idle_us": wall_s * 1e6 / units - busy, "kernels": len(events) / units,
+            "top": ranked(events, lambda n: n, units, busy, top), "kinds": ranked(events, kind, units, busy, top)}
 
 
 def traced(fn, log_dir: str):
@@ -94,6 +110,20 @@ def traced(fn, log_dir: str):
         return result, wall, json.load(f)
 
 
+def keep(dest: str, log_dir: str, cell: acc.Cell, reference: np.ndarray, probs: np.ndarray) -> None:
+    """Copy the traces under `log_dir` to `dest` and write the plain and speculative loops'
+    compiled HLO text beside them (the trace's kernel names are the HLO's fusion names)."""
+    os.makedirs(dest, exist_ok=True)
+    for path in glob.glob(os.path.join(log_dir, "*", "plugins", "profile", "*", "perfetto_trace.json.gz")):
+        shutil.copy(path, os.path.join(dest, path[len(log_dir) + 1:].split(os.sep)[0] + ".perfetto_trace.json.gz"))
+    programs = {"plain": acc.plain_run.lower(cell.plain_loop(), cell.target, cell.plain_state(), cell.stop_tokens),
+                "spec": acc.spec.run.lower(cell.loop, cell.target, cell.drafter,
+                                           cell.spec_state(cell.injected(reference, probs)), cell.stop_tokens)}
+    for name, lowered in programs.items():
+        with open(os.path.join(dest, f"{name}.hlo.txt"), "w") as f:
+            f.write(lowered.compile().as_text())
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -104,6 +134,8 @@ def main(argv=None) -> None:
     ap.add_argument("--impl", default=None, choices=["xla", "pallas"], help="default: pallas on GPU")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model on the CPU: tests the script")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--keep", default=None, metavar="DIR",
+                    help="also copy the Perfetto traces and write the loops' compiled HLO text here")
     args = ap.parse_args(argv)
     impl = policy.attention_impl(args.impl)
     prompt, new = (32, 32) if args.tiny else (args.prompt, args.new)
@@ -119,6 +151,8 @@ def main(argv=None) -> None:
         run, spec_wall, spec_trace = traced(lambda: cell.run_spec(cell.injected(reference, probs)),
                                            os.path.join(tmp, "spec"))
         real, real_wall, real_trace = traced(lambda: cell.run_spec(None), os.path.join(tmp, "real"))
+        if args.keep:
+            keep(args.keep, tmp, cell, reference, probs)
     plain = summarize(device_events(plain_trace), plain_wall, steps, args.top)
     spec = summarize(device_events(spec_trace), spec_wall, int(np.max(run.stats.rounds)), args.top)
     spec_real = summarize(device_events(real_trace), real_wall, int(np.max(real.stats.rounds)), args.top)
