@@ -109,14 +109,18 @@ def kv_bytes(cfg, live_tokens: float, batch: int = 1, itemsize: int = 2) -> floa
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * live_tokens * batch
 
 
-def _bytes_per_s(fn, x, moved: int, reps: int) -> float:
-    """`moved` bytes over the median time of the jitted `fn(x)` (compiled first)."""
-    fn(x).block_until_ready()
+def _bytes_per_s(fn, x, moved: int, reps: int, samples: int = 5) -> float:
+    """`moved` bytes over the device time of one jitted `fn(x)` call: the median over `samples`
+    of `reps` calls back to back blocked once at the end (the host round trip of a lone call
+    would count as device time otherwise)."""
+    jax.block_until_ready(fn(x))
     times = []
-    for _ in range(reps):
+    for _ in range(samples):
         t0 = time.perf_counter()
-        fn(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
+        for _ in range(reps):
+            out = fn(x)  # one stream runs them in order: the last one done means all are
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
     return moved / statistics.median(times)
 
 
@@ -127,13 +131,17 @@ def hbm_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
 
 
 def hbm_read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
-    """Device read bandwidth in bytes/s: a sum over a large bf16 buffer (reads only, as a GEMV).
+    """Weight-streaming bandwidth in bytes/s: a GEMV `x [1, 4096] @ W [4096, N]` over a large bf16 W.
 
-    Read-only streams run faster than the copy of `hbm_bandwidth` on an H200 (an 8B LM head
-    GEMV read 4.49 TB/s where the copy moved 3.7 TB/s), so a roofline over this is stricter.
+    This is how a decode step reads its weights (an 8B LM head is `[4096, 151936]`), and it
+    streams faster than the copy of `hbm_bandwidth` on an H200 (4.49 against 3.6 TB/s in
+    `gemm_check.json`), so a roofline over it is the stricter one.
     """
-    n = int(gib * (1 << 30) // 2)
-    return _bytes_per_s(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), jnp.ones((n,), jnp.bfloat16), n * 2, reps)
+    k = 4096
+    n = max(128, int(gib * (1 << 30) // (2 * k)) // 128 * 128)
+    x = jax.random.normal(jax.random.key(0), (1, k), jnp.bfloat16)  # not a constant XLA could fold
+    w = jnp.ones((k, n), jnp.bfloat16)
+    return _bytes_per_s(jax.jit(lambda xw: xw[0] @ xw[1]), (x, w), k * n * 2, reps)
 
 
 def timed(fn, *args, reps: int = 5, warmup: int = 1):

@@ -3,7 +3,7 @@
 Reports tokens/s, the memory roofline (weights + live KV bytes per step over the HBM
 bandwidth measured in this run), their ratio, and `transformers` generate on the same
 weights in the same process. `roofline_ratio` uses the copy bandwidth (read + write, as
-GPU.md measures it); `roofline_ratio_read` the stricter read-only bandwidth of a reduction.
+GPU.md measures it); `roofline_ratio_read` the stricter rate at which a GEMV streams a weight.
 
     python bench/plain_decode.py                 # H200: batch 1, prompt 512, 256 new tokens
     python bench/plain_decode.py --tiny          # CPU smoke test of the script
@@ -62,7 +62,7 @@ def main(argv=None):
                    hbm_read_bandwidth_Bps=bw_read,
                    roofline_ratio_read=res["tokens_per_s"] / (bw_read / step_bytes * args.batch))
     print(f"ours: {res['tokens_per_s']:.1f} tok/s  roofline {roofline:.1f} tok/s  ratio {payload['roofline_ratio']:.3f} "
-          f"(read-only bandwidth {bw_read / 1e12:.2f} TB/s: ratio {payload['roofline_ratio_read']:.3f})")
+          f"(GEMV read bandwidth {bw_read / 1e12:.2f} TB/s: ratio {payload['roofline_ratio_read']:.3f})")
     if args.peer_tokens and not args.tiny:
         model = common.torch_peer_from_target(target)
         if model is not None:
