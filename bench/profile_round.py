@@ -2,14 +2,15 @@
 
 Runs the compiled plain loop and the fused speculative loop, with injected proposals at a fixed
 acceptance (the real drafter still running) and with the random drafter's own proposals
-(`spec_round_real`: about one token a round; a separate program, which ran 0.2-0.3 ms a round
-faster than the injected one on the H200), once each under `jax.profiler.trace`, reads the
-Perfetto trace it writes, and sums the device events (GPU kernels and copies; on a CPU, the
-XLA threads' events) per name. Per step (plain) or per round (speculative) it reports:
+(`spec_round_real`: about one token a round, so the call's fixed start-up cost is spread over
+six times more rounds), once each under `jax.profiler.trace`, reads the Perfetto trace it
+writes, and sums the device events (GPU kernels and copies; on a CPU, the XLA threads'
+events) per name. Per step (plain) or per round (speculative) it reports:
 
   wall_us  loop wall time / steps or rounds
   busy_us  union of the device events' intervals / steps or rounds
-  idle_us  wall - busy: launch gaps and host work the device waits on
+  idle_us  wall - busy: launch gaps and host work the device waits on (the profiler inflates
+           both wall and idle; busy matches the unprofiled times)
   kernels  launched per step or round
   top      the `--top` names by time: calls and microseconds per step or round, share of busy
   kinds    the same, names grouped by kind (trailing numbers dropped: the unrolled layers'
