@@ -134,8 +134,8 @@ def hbm_read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
     """Weight-streaming bandwidth in bytes/s: a GEMV `x [1, 4096] @ W [4096, N]` over a large bf16 W.
 
     This is how a decode step reads its weights (an 8B LM head is `[4096, 151936]`), and it
-    streams faster than the copy of `hbm_bandwidth` on an H200 (4.49 against 3.6 TB/s in
-    `gemm_check.json`), so a roofline over it is the stricter one.
+    streams faster than the copy of `hbm_bandwidth` moves on an H200 (4.43 against 4.24 TB/s
+    in `bench/results/plain_decode.json`), so a roofline over it is the stricter one.
     """
     k = 4096
     n = max(128, int(gib * (1 << 30) // (2 * k)) // 128 * 128)

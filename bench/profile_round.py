@@ -42,6 +42,7 @@ import numpy as np
 import acceptance as acc
 import common
 from dflash_jax import policy
+from dflash_jax import speculative as spec
 
 CPU_ENVELOPES = ("ThunkExecutor::Execute",)  # CPU trace events that wrap the kernels, not kernels
 
@@ -118,8 +119,8 @@ def keep(dest: str, log_dir: str, cell: acc.Cell, reference: np.ndarray, probs: 
     for path in glob.glob(os.path.join(log_dir, "*", "plugins", "profile", "*", "perfetto_trace.json.gz")):
         shutil.copy(path, os.path.join(dest, path[len(log_dir) + 1:].split(os.sep)[0] + ".perfetto_trace.json.gz"))
     programs = {"plain": acc.plain_run.lower(cell.plain_loop(), cell.target, cell.plain_state(), cell.stop_tokens),
-                "spec": acc.spec.run.lower(cell.loop, cell.target, cell.drafter,
-                                           cell.spec_state(cell.injected(reference, probs)), cell.stop_tokens)}
+                "spec": spec.run.lower(cell.loop, cell.target, cell.drafter,
+                                       cell.spec_state(cell.injected(reference, probs)), cell.stop_tokens)}
     for name, lowered in programs.items():
         with open(os.path.join(dest, f"{name}.hlo.txt"), "w") as f:
             f.write(lowered.compile().as_text())
@@ -155,13 +156,13 @@ def main(argv=None) -> None:
         if args.keep:
             keep(args.keep, tmp, cell, reference, probs)
     plain = summarize(device_events(plain_trace), plain_wall, steps, args.top)
-    spec = summarize(device_events(spec_trace), spec_wall, int(np.max(run.stats.rounds)), args.top)
+    spec_inj = summarize(device_events(spec_trace), spec_wall, int(np.max(run.stats.rounds)), args.top)
     spec_real = summarize(device_events(real_trace), real_wall, int(np.max(real.stats.rounds)), args.top)
     payload = common.environment(batch=args.batch, prompt=prompt, new=new, tau=args.tau, impl=impl, tiny=args.tiny)
     payload.update(weight_bytes=common.target_step_bytes(target), drafter_bytes=common.nbytes(drafter.params),
-                   plain_step=plain, spec_round=spec, spec_round_real=spec_real,
-                   round_over_step_busy=spec["busy_us"] / plain["busy_us"])
-    for label, s in (("plain step", plain), ("spec round (injected)", spec), ("spec round (real drafter)", spec_real)):
+                   plain_step=plain, spec_round=spec_inj, spec_round_real=spec_real,
+                   round_over_step_busy=spec_inj["busy_us"] / plain["busy_us"])
+    for label, s in (("plain step", plain), ("spec round (injected)", spec_inj), ("spec round (real drafter)", spec_real)):
         print(f"{label}: wall {s['wall_us']:.0f} us, busy {s['busy_us']:.0f} us, idle {s['idle_us']:.0f} us, "
               f"{s['kernels']:.0f} kernels")
         for k in s["top"][:10]:

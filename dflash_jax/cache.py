@@ -39,10 +39,10 @@ def init_kv(batch: int, capacity: int, num_layers: int, num_kv_heads: int, head_
 def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write `new [B, W, ...]` into `buf [B, S, ...]` at rows `start[b] + i`; rows past S are dropped.
 
-    One scatter of W rows per batch row, which XLA runs in place on the carried buffer. (A
-    vmapped `dynamic_update_slice` becomes, on the GPU, a read of the old rows plus a masked
-    update: two kernels per write, and it shifts a block that overhangs the end instead of
-    dropping its tail.)
+    One in-place scatter kernel per write on the GPU, where a vmapped `dynamic_update_slice`
+    took two (a read of the old rows, then a masked update) and shifted a block that overhangs
+    the end instead of dropping its tail. (With one row per batch row, as in plain decoding,
+    XLA still rewrites the scatter into that pair.)
     """
     chex.assert_equal(buf.shape[0], new.shape[0])
     b, w = new.shape[:2]
