@@ -4,8 +4,8 @@ Runs the compiled plain loop and the fused speculative loop, with injected propo
 acceptance (the real drafter still running) and with the random drafter's own proposals
 (`spec_round_real`: about one token a round, so the call's fixed start-up cost is spread over
 six times more rounds), once each under `jax.profiler.trace`, reads the Perfetto trace it
-writes, and sums the device events (GPU kernels and copies; on a CPU, the XLA threads'
-events) per name. Per step (plain) or per round (speculative) it reports:
+writes, and sums the device events (GPU kernels and copies; on a CPU, the host's events of
+HLO ops) per name. Per step (plain) or per round (speculative) it reports:
 
   wall_us  loop wall time / steps or rounds
   busy_us  union of the device events' intervals / steps or rounds
@@ -15,7 +15,7 @@ events) per name. Per step (plain) or per round (speculative) it reports:
   top      the `--top` names by time: calls and microseconds per step or round, share of busy
   kinds    the same, names grouped by kind (trailing numbers dropped: the unrolled layers'
            `fusion.12`, `fusion.47` are one kind)
-  source   "device" (GPU kernels from CUPTI) or "host" (the XLA threads: a CPU, or no CUPTI)
+  source   "device" (GPU kernels from CUPTI) or "host" (HLO ops run on the host: a CPU, or no CUPTI)
 
 The gap between `busy` and the weight bytes over bandwidth says how much a step loses to
 small kernels, and `top` says which ones.
@@ -44,23 +44,21 @@ import common
 from dflash_jax import policy
 from dflash_jax import speculative as spec
 
-CPU_ENVELOPES = ("ThunkExecutor::Execute",)  # CPU trace events that wrap the kernels, not kernels
+CONTAINERS = re.compile(r"(while|conditional|call)([._]\d+)*$")  # host events that wrap other ops' events
 
 
 def device_events(trace: dict) -> tuple:
     """`(events, source)`: the complete ('X') events of the device processes ("device"), or,
-    where the trace has none (a CPU, or a GPU without CUPTI), of the host's XLA threads ("host")."""
+    where the trace has none (a CPU, or a GPU without CUPTI), the host's events of HLO ops
+    ("host": those naming an `hlo_op`, on whichever thread XLA ran them, minus the loops and
+    calls that wrap the others)."""
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     device = [e for e in events if names.get(e["pid"], "").startswith("/device:")]
     if device:
         return device, "device"
-    host = [e for e in events if "XLA" in threads.get((e["pid"], e.get("tid")), "")
-            and "PjRt" not in threads.get((e["pid"], e.get("tid")), "")]
-    return [e for e in host if e["name"] not in CPU_ENVELOPES], "host"
+    return [e for e in events if "hlo_op" in e.get("args", {}) and not CONTAINERS.match(e["name"])], "host"
 
 
 def busy_us(events: list) -> float:
