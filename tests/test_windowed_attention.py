@@ -2,6 +2,8 @@
 kernel (interpret mode) against the reference over shapes, lengths, windows, masks and GQA ratios."""
 from __future__ import annotations
 
+import functools
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -159,3 +161,17 @@ def test_bad_ctx_len_window_and_mixed_dtypes_are_refused():
         block_attention(q, kc, vc, jnp.zeros(2, jnp.int32), kb, vb, scale=1.0, window=0)
     with pytest.raises(ValueError, match="share one dtype"):
         block_attention(q, kc.astype(jnp.bfloat16), vc, jnp.zeros(2, jnp.int32), kb, vb, scale=1.0)
+
+
+@pytest.mark.parametrize("w, window, causal", [(1, None, True), (16, None, True), (16, 2048, True), (16, None, False)],
+                         ids=["decode", "verify", "drafter-sliding", "drafter-full"])
+def test_pallas_kernel_lowers_to_triton_for_cuda(w, window, causal):
+    """The Pallas-to-Triton lowering runs here without a GPU: an op Triton cannot take fails
+    at this step, before any GPU sees the kernel (bf16, the benchmark's head shapes)."""
+    q = jax.ShapeDtypeStruct((1, w, 32, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((1, 768, 8, 128), jnp.bfloat16)
+    block = jax.ShapeDtypeStruct((1, w, 8, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    fn = jax.jit(functools.partial(block_attention, scale=0.1, causal=causal, window=window, impl="pallas"))
+    text = fn.trace(q, cache, cache, lengths, block, block).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1, "the kernel did not lower to one Triton call"
