@@ -40,12 +40,14 @@ import numpy as np
 
 import common
 import dflash_jax
-from dflash_jax import policy
 from dflash_jax import sampling as smp
-from dflash_jax import speculative as spec
-from dflash_jax.decode import PlainLoop, PlainState, check_capacity, pack_prompts, stop_array
-from dflash_jax.nn.dense import Target
-from dflash_jax.nn.drafter import Drafter
+from dflash_jax.config import policy
+from dflash_jax.decoding import speculative as spec
+from dflash_jax.decoding.common import check_capacity, pack_prompts, stop_array
+from dflash_jax.decoding import plain
+from dflash_jax.decoding.plain import PlainLoop, PlainState
+from dflash_jax.drafters.base import Drafter
+from dflash_jax.targets.base import Target
 
 DISTRIBUTIONS = ("two_point", "geometric")
 CONTEXTS = ("prefill", "synthetic")
@@ -121,8 +123,7 @@ def windowed(drafter: Drafter, window: Optional[int]) -> Drafter:
     if window is None:
         return drafter
     n = drafter.config.num_layers
-    return Drafter(dataclasses.replace(drafter.config, layer_window=(window,) * n, causal=(True,) * n),
-                   drafter.params)
+    return drafter.replace(config=dataclasses.replace(drafter.config, layer_window=(window,) * n, causal=(True,) * n))
 
 
 def make_prompts(batch: int, prompt: int, vocab: int, seed: int) -> np.ndarray:
@@ -143,7 +144,7 @@ def memory_needed(target: Target, drafter: Drafter, batch: int, capacity: int, c
     program does not donate them) and the chunk's attention scores."""
     tc, dc = target.config, drafter.config
     w = dc.block_size
-    item = target.params["embed"].dtype.itemsize
+    item = jax.tree.leaves(target.params)[0].dtype.itemsize
     caches = common.kv_bytes(tc, capacity, batch, item) + common.kv_bytes(dc, capacity, batch, item)
     logits = 2 * batch * 2 * w * tc.vocab_size * 4
     scores = 2 * batch * tc.num_heads * w * capacity * 4
@@ -153,43 +154,37 @@ def memory_needed(target: Target, drafter: Drafter, batch: int, capacity: int, c
     return int(need)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def plain_run(loop: PlainLoop, target: Target, state: PlainState, stop_tokens) -> PlainState:
-    """The library's plain decode loop (`PlainLoop.run`) from a given state, cache donated."""
-    return loop.run(target, state, stop_tokens)
+@functools.partial(jax.jit, static_argnums=0)
+def _begin_spec(loop: spec.Loop, drafter: Drafter, first, rp, stop_tokens, inject):
+    """`Loop.begin` without the model states (a jit would copy them; its outputs are fresh buffers)."""
+    return loop.begin(drafter, first, None, None, rp, stop_tokens, inject)
 
 
-def initial_spec_state(first: np.ndarray, lengths: np.ndarray, new: int, nd: int, sampling: list, cache, dcache,
-                       inject: spec.Injected, limit: Optional[int] = None) -> spec.SpecState:
-    """What `Loop.start` leaves after the prompt (first token `first [B]`, `lengths [B]` context
-    tokens), over the given caches. Every leaf is a fresh buffer: runs donate their state."""
+def initial_spec_state(loop: spec.Loop, drafter: Drafter, first: np.ndarray, lengths: np.ndarray, sampling: list,
+                       tstate, dstate, inject: spec.Injected, limit: Optional[int] = None) -> spec.SpecState:
+    """What `Loop.start` leaves after the prompt (`Loop.begin`: first token `first [B]`, `lengths [B]`
+    context tokens), over the given model states. Every leaf but the states' K/V is a fresh buffer:
+    runs donate their state."""
+    s = _begin_spec(loop, drafter, jnp.asarray(np.asarray(first, np.int32)), smp.row_params(sampling, len(first)),
+                    jnp.asarray([-1], jnp.int32), inject)
+    return s.replace(target_state=tstate.replace(seq_len=jnp.asarray(np.asarray(lengths, np.int32))),
+                     drafter_state=dstate.replace(seq_len=jnp.asarray(np.asarray(lengths, np.int32))),
+                     limit=s.limit if limit is None else jnp.minimum(s.limit, limit))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _begin_plain(loop: PlainLoop, first, rp, stop_tokens, counts):
+    """`PlainLoop.begin` without the target state."""
+    return loop.begin(first, None, rp, stop_tokens, counts)
+
+
+def initial_plain_state(loop: PlainLoop, first: np.ndarray, seq_len: np.ndarray, sampling: list,
+                        tstate) -> PlainState:
+    """What `PlainLoop.start` leaves after the prompt (`PlainLoop.begin`: last token `first`, at `seq_len`)."""
     b = len(first)
-
-    def arr(x, dtype=np.int32):
-        return jnp.asarray(np.asarray(x, dtype))
-
-    out = np.zeros((b, new + nd + 1), np.int32)
-    out[:, 0] = first
-    zeros = np.zeros(b, np.int32)
-    return spec.SpecState(
-        out=arr(out), n_out=arr(zeros + 1), anchor=arr(first), done=arr(zeros, bool), limit=arr(zeros + (limit or new)),
-        max_new=arr(zeros + new), cache=cache.replace(seq_len=arr(lengths)),
-        dcache=dcache.replace(seq_len=arr(lengths)),
-        vt=arr(zeros + nd + 1), counter=arr(zeros + 1), rp=smp.row_params(sampling, b),
-        stats=spec.SpecStats(arr(zeros), arr(zeros), arr(zeros), arr(zeros), arr(np.zeros((b, nd + 1)))), inject=inject)
-
-
-def initial_plain_state(first: np.ndarray, seq_len: np.ndarray, new: int, sampling: list, cache) -> PlainState:
-    """What `PlainLoop.start` leaves after the prompt (last token `first`, at `seq_len`)."""
-    b = len(first)
-    out = np.zeros((b, new + 1), np.int32)
-    out[:, 0] = first
-    zeros = np.zeros(b, np.int32)
-    return PlainState(out=jnp.asarray(out), n_out=jnp.asarray(zeros + 1),
-                      token=jnp.asarray(np.asarray(first, np.int32)),
-                      done=jnp.asarray(zeros.astype(bool)), limit=jnp.asarray(zeros + new),
-                      cache=cache.replace(seq_len=jnp.asarray(np.asarray(seq_len, np.int32))),
-                      rp=smp.row_params(sampling, b), counts=jnp.asarray(np.zeros((b, 1), np.int32)))
+    s = _begin_plain(loop, jnp.asarray(np.asarray(first, np.int32)), smp.row_params(sampling, b),
+                     jnp.asarray([-1], jnp.int32), jnp.zeros((b, 1), jnp.int32))
+    return s.replace(state=tstate.replace(seq_len=jnp.asarray(np.asarray(seq_len, np.int32))))
 
 
 def injected(reference: np.ndarray, probs: np.ndarray, new: int, nd: int) -> spec.Injected:
@@ -243,20 +238,19 @@ class Cell:
 
     @property
     def capacity(self) -> int:
-        return self.state.cache.capacity
+        return self.state.target_state.capacity
 
     def injected(self, reference: np.ndarray, probs: np.ndarray) -> spec.Injected:
         return injected(reference, probs, self.new, self.nd)
 
     def spec_state(self, inject: spec.Injected, limit: Optional[int] = None) -> spec.SpecState:
-        return initial_spec_state(self.first, self.lengths, self.new, self.nd, self.sampling, self.state.cache,
-                                  self.state.dcache, inject, limit)
+        return initial_spec_state(self.loop, self.drafter, self.first, self.lengths, self.sampling,
+                                  self.state.target_state, self.state.drafter_state, inject, limit)
 
     def plain_state(self, seq_len: Optional[np.ndarray] = None, token: Optional[np.ndarray] = None) -> PlainState:
-        """The plain state after the prompt over the cell's target cache (or at `seq_len`, after `token`)."""
-        return initial_plain_state(self.first if token is None else token,
-                                   self.lengths if seq_len is None else seq_len, self.new, self.sampling,
-                                   self.state.cache)
+        """The plain state after the prompt over the cell's target state (or at `seq_len`, after `token`)."""
+        return initial_plain_state(self.plain_loop(), self.first if token is None else token,
+                                   self.lengths if seq_len is None else seq_len, self.sampling, self.state.target_state)
 
     def plain_loop(self) -> PlainLoop:
         return PlainLoop(self.new, self.loop.chunk, True, False, self.loop.impl)
@@ -265,9 +259,9 @@ class Cell:
         """Plain greedy decoding of N tokens: `(tokens [B, N], wall seconds, decode steps)`."""
         s = self.plain_state()
         t0 = time.perf_counter()
-        s = jax.block_until_ready(plain_run(self.plain_loop(), self.target, s, self.stop_tokens))
+        s = jax.block_until_ready(plain.run(self.plain_loop(), self.target, s, self.stop_tokens))
         wall = time.perf_counter() - t0
-        self.state = self.state.replace(cache=s.cache)
+        self.state = self.state.replace(target_state=s.state)
         out, n_out = jax.device_get((s.out, s.n_out))
         return out[:, : self.new], wall, int(n_out.max()) - 1
 
@@ -286,7 +280,7 @@ def cell_shape(target: Target, drafter: Drafter, batch: int, prompt: int, new: i
     """`(loop, capacity)` exactly as a `Session` on `batch` prompts of `prompt` tokens makes them."""
     p = pack_prompts(np.zeros((1, prompt), np.int32), target.config.vocab_size)
     cap = check_capacity(p, new, target.config.max_position_embeddings, drafter.config.n_drafts + 1, None)
-    return spec.Loop(new, p.chunk, True, "argmax", impl), cap
+    return spec.Loop(new, p.chunk, True, "argmax", impl, drafter.n_drafts + 1), cap
 
 
 def open_cell(target: Target, drafter: Drafter, batch: int, prompt: int, new: int, impl: str, context: str,
@@ -305,12 +299,12 @@ def open_cell(target: Target, drafter: Drafter, batch: int, prompt: int, new: in
                                   sampling=sampling, impl=impl, inject=inject)
         s = sess.state
         return Cell(target, drafter, sess.loop, sess.stop_tokens, sampling, np.asarray(s.anchor),
-                    np.asarray(s.cache.seq_len), s, context, sess.prefill_time_s)
+                    np.asarray(s.target_state.seq_len), s, context, sess.prefill_time_s)
     loop, cap = cell_shape(target, drafter, batch, prompt, new, impl)
     first = np.random.RandomState(seed + 1).randint(0, vocab - 2, batch).astype(np.int32)
     lengths = np.full(batch, prompt, np.int32)
-    state = initial_spec_state(first, lengths, new, nd, sampling, target.init_cache(batch, cap),
-                               drafter.init_cache(batch, cap), inject)
+    state = initial_spec_state(loop, drafter, first, lengths, sampling, target.init_state(batch, cap),
+                               drafter.init_state(batch, cap), inject)
     return Cell(target, drafter, loop, stop_array((), vocab), sampling, first, lengths, state, context, 0.0)
 
 
@@ -326,12 +320,13 @@ def precompile(target: Target, cells: list, new: int, impl: str, threads: int) -
         first, lengths = np.zeros(batch, np.int32), np.full(batch, prompt, np.int32)
         sampling = [dflash_jax.Sampling(seed=i) for i in range(batch)]
         s, ps = jax.eval_shape(lambda: (
-            initial_spec_state(first, lengths, new, nd, sampling, target.init_cache(batch, cap),
-                               drafter.init_cache(batch, cap), injected(first[:, None], np.ones(nd + 1), new, nd)),
-            initial_plain_state(first, lengths, new, sampling, target.init_cache(batch, cap))))
+            initial_spec_state(loop, drafter, first, lengths, sampling, target.init_state(batch, cap),
+                               drafter.init_state(batch, cap), injected(first[:, None], np.ones(nd + 1), new, nd)),
+            initial_plain_state(PlainLoop(new, loop.chunk, True, False, impl), first, lengths, sampling,
+                                target.init_state(batch, cap))))
         stops = stop_array((), vocab)
         lowered += [spec.run.lower(loop, target, drafter, s, stops),
-                    plain_run.lower(PlainLoop(new, loop.chunk, True, False, impl), target, ps, stops)]
+                    plain.run.lower(PlainLoop(new, loop.chunk, True, False, impl), target, ps, stops)]
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda low: low.compile(), lowered))
     return time.perf_counter() - t0
@@ -492,7 +487,7 @@ def _measure_one(target, drafter, batch, prompt, args, counter, context, check_g
             prompts = make_prompts(batch, prompt, target.config.vocab_size, args.seed)
             res = dflash_jax.generate(target, None, prompts, max_new_tokens=args.new, impl=args.impl)
             expected = np.asarray(res.tokens, np.int32)
-            gen = {"generate_tokens_per_s_with_prefill": res.stats["tokens_per_s"]}
+            gen = {"generate_tokens_per_s_with_prefill": res.stats.tokens_per_s}
         t0 = time.perf_counter()
         cell = open_cell(target, drafter, batch, prompt, args.new, args.impl, context, args.seed)
         out = measure_cell(cell, counter, args.taus, args.dist, args.fixed_tau, args.reps, args.max_passes, expected)

@@ -18,10 +18,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dflash_jax.checkpoint import drafter_param_shapes, target_param_shapes  # noqa: E402
 from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig  # noqa: E402
-from dflash_jax.nn.dense import Target  # noqa: E402
-from dflash_jax.nn.drafter import Drafter  # noqa: E402
+from dflash_jax.drafters.base import Drafter  # noqa: E402
+from dflash_jax.io import names  # noqa: E402
+from dflash_jax.io.checkpoints import drafter_family, make_drafter, make_target, target_family  # noqa: E402
+from dflash_jax.targets.base import Target  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -75,22 +76,22 @@ def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0) -> Targe
     logits: a long non-repeating cycle. Speed does not depend on the values; every matrix
     keeps its shape and remains dense random bf16.
     """
-    params = _random_tree(target_param_shapes(cfg), dtype, seed)
+    params = _random_tree(target_family(cfg).param_shapes(cfg), dtype, seed)
     k_embed, k_perm = jax.random.split(jax.random.key(seed + 7919))
     embed = jax.jit(lambda k: jax.random.normal(k, (cfg.vocab_size, cfg.hidden_size), jnp.float32).astype(dtype))(
         k_embed)
     params["embed"] = embed
-    for layer in params["layers"]:
+    for layer in (params[f"layers_{i}"] for i in range(cfg.num_layers)):
         layer["wo"] = layer["wo"] * jnp.asarray(RESIDUAL_SCALE, dtype)
         layer["w_down"] = layer["w_down"] * jnp.asarray(RESIDUAL_SCALE, dtype)
     if not cfg.tie_word_embeddings:
         params["lm_head"] = jax.jit(lambda e, k: jnp.take(e, jax.random.permutation(k, e.shape[0]), axis=0).T)(
             embed, k_perm)
-    return Target(cfg, params)
+    return make_target(cfg, params)
 
 
 def random_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 1) -> Drafter:
-    return Drafter(cfg, _random_tree(drafter_param_shapes(cfg), dtype, seed))
+    return make_drafter(cfg, _random_tree(drafter_family(cfg).param_shapes(cfg), dtype, seed))
 
 
 def nbytes(tree) -> int:
@@ -191,29 +192,11 @@ def torch_peer_from_target(target: Target):
     with torch.device("meta"):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**hf))
 
-    def t(x, transpose=False):
-        x = torch.from_dlpack(x)
-        return (x.T if transpose else x).contiguous()
-
-    q, kv, f = cfg.q_width, cfg.kv_width, cfg.intermediate_size
-    state = {"model.embed_tokens.weight": t(target.params["embed"]), "model.norm.weight": t(target.params["final_norm"]),
-             "lm_head.weight": t(target.params["lm_head"], True)}
-    for i, layer in enumerate(target.params["layers"]):
-        p = f"model.layers.{i}."
-        wqkv, gu = torch.from_dlpack(layer["wqkv"]), torch.from_dlpack(layer["w_gate_up"])
-        state.update({
-            p + "input_layernorm.weight": t(layer["attn_norm"]),
-            p + "self_attn.q_proj.weight": wqkv[:, :q].T.contiguous(),
-            p + "self_attn.k_proj.weight": wqkv[:, q:q + kv].T.contiguous(),
-            p + "self_attn.v_proj.weight": wqkv[:, q + kv:].T.contiguous(),
-            p + "self_attn.o_proj.weight": t(layer["wo"], True),
-            p + "self_attn.q_norm.weight": t(layer["q_norm"]),
-            p + "self_attn.k_norm.weight": t(layer["k_norm"]),
-            p + "post_attention_layernorm.weight": t(layer["mlp_norm"]),
-            p + "mlp.gate_proj.weight": gu[:, :f].T.contiguous(),
-            p + "mlp.up_proj.weight": gu[:, f:].T.contiguous(),
-            p + "mlp.down_proj.weight": t(layer["w_down"], True),
-        })
+    state = {}
+    for p in target_family(cfg).name_map(cfg):  # the library's own name map, split on the GPU
+        x = torch.from_dlpack(names.leaf(target.params, p.path))
+        for name, part in zip(p.hf, torch.split(x, list(p.widths or (x.shape[-1],)), dim=-1)):
+            state[name] = (part.T if p.transpose else part).contiguous()
     model.load_state_dict(state, assign=True, strict=True)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config, device="cuda")
     return model.eval()

@@ -17,7 +17,7 @@ import numpy as np
 
 import common
 import dflash_jax
-from dflash_jax import policy
+from dflash_jax.config import policy
 
 
 def measure(target, batch: int, prompt: int, new: int, impl: str, reps: int) -> dict:

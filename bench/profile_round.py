@@ -41,8 +41,9 @@ import numpy as np
 
 import acceptance as acc
 import common
-from dflash_jax import policy
-from dflash_jax import speculative as spec
+from dflash_jax.config import policy
+from dflash_jax.decoding import plain
+from dflash_jax.decoding import speculative as spec
 
 CONTAINERS = re.compile(r"(while|conditional|call)([._]\d+)*$")  # host events that wrap other ops' events
 
@@ -116,7 +117,7 @@ def keep(dest: str, log_dir: str, cell: acc.Cell, reference: np.ndarray, probs: 
     os.makedirs(dest, exist_ok=True)
     for path in glob.glob(os.path.join(log_dir, "*", "plugins", "profile", "*", "perfetto_trace.json.gz")):
         shutil.copy(path, os.path.join(dest, path[len(log_dir) + 1:].split(os.sep)[0] + ".perfetto_trace.json.gz"))
-    programs = {"plain": acc.plain_run.lower(cell.plain_loop(), cell.target, cell.plain_state(), cell.stop_tokens),
+    programs = {"plain": plain.run.lower(cell.plain_loop(), cell.target, cell.plain_state(), cell.stop_tokens),
                 "spec": spec.run.lower(cell.loop, cell.target, cell.drafter,
                                        cell.spec_state(cell.injected(reference, probs)), cell.stop_tokens)}
     for name, lowered in programs.items():

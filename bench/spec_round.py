@@ -5,9 +5,9 @@ matches the fused loop's average):
 
   draft          `Loop.propose`: drafter block forward, LM head on the harvested rows, argmax;
                  `draft_injected` is the same with the injected proposals, as the loop runs it
-  verify         `dense.extend` of `[anchor, drafts]` at `seq_len` + `lm_logits` + greedy accept
-  commit_ingest  commit of the kept tokens + `drafter.ingest` of the block's taps (the round's
-                 tail, copied from `Loop.round`)
+  verify         `Target.extend` of `[anchor, drafts]` at `seq_len` + `Target.logits` + greedy accept
+  commit_ingest  append of the kept tokens + `Target.commit` + `Drafter.ingest`/`commit` of the
+                 block's taps (the round's tail, `Loop.advance`)
   plain_step     `PlainLoop.step` jitted alone
 
 `*_s` is the median over `--phase-reps` of `--calls` back-to-back calls blocked once at the
@@ -41,25 +41,29 @@ import numpy as np
 import acceptance as acc
 import common
 from dflash_jax import sampling as smp
-from dflash_jax import speculative as spec
-from dflash_jax.decode import PlainLoop
+from dflash_jax.decoding import speculative as spec
+from dflash_jax.decoding.plain import PlainLoop
+from dflash_jax.drafters.base import Proposal
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def draft_step(loop: spec.Loop, target, drafter, s: spec.SpecState):
-    return loop.propose(target, drafter, s)[0]
+    return loop.propose(target, drafter, s).drafts
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def verify_step(loop: spec.Loop, target, drafter, cache, s: spec.SpecState, drafts):
-    """Target forward of `[anchor, drafts]` at `cache.seq_len` (K/V written), head, greedy accept."""
-    return loop.verify(target, drafter, s.replace(cache=cache), drafts, smp.OneHotQ())
+def verify_step(loop: spec.Loop, target, drafter, tstate, s: spec.SpecState, drafts):
+    """Target forward of `[anchor, drafts]` at `seq_len` (K/V written), head, greedy accept."""
+    prop = Proposal(drafts, smp.OneHotQ(), jnp.full(drafts.shape[:1], loop.verify_cap, jnp.int32))
+    tstate, pending, m, nxt, taps = loop.verify(target, drafter, s.replace(target_state=tstate), prop)
+    return tstate, pending, m, nxt, taps
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def commit_step(loop: spec.Loop, drafter, s: spec.SpecState, drafts, m, nxt, taps, stop_tokens):
-    """The tail of `Loop.round`: commit, roll back by moving `seq_len`, ingest the block's taps."""
-    return loop.advance(drafter, s, s.cache, drafts, m, nxt, taps, stop_tokens)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def commit_step(loop: spec.Loop, target, drafter, s: spec.SpecState, pending, drafts, m, nxt, taps, stop_tokens):
+    """The tail of `Loop.round`: append, commit the kept positions of both models, ingest the block's taps."""
+    prop = Proposal(drafts, smp.OneHotQ(), jnp.full(drafts.shape[:1], loop.verify_cap, jnp.int32))
+    return loop.advance(target, drafter, s, prop, s.target_state, pending, m, nxt, taps, stop_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -102,7 +106,7 @@ def measure_phases(cell: acc.Cell, reference: np.ndarray, tau: float, calls: int
     loop, target, drafter, stops = cell.loop, cell.target, cell.drafter, cell.stop_tokens
     cell.run_spec(cell.injected(reference, acc.first_wrong_probs(tau, cell.nd)), limit=cell.new // 2)
     s = cell.state
-    position = float(np.mean(jax.device_get(s.cache.seq_len)))
+    position = float(np.mean(jax.device_get(s.target_state.seq_len)))
     res, recompiles = {}, 0
 
     plain_s = s.replace(inject=None)
@@ -113,22 +117,23 @@ def measure_phases(cell: acc.Cell, reference: np.ndarray, tau: float, calls: int
         lambda _: draft_step(loop, target, drafter, s), None, calls, reps, counter)
     recompiles += n
     res["drafter_dropped_with_inject"] = res["draft_injected_s"] < 0.5 * res["draft_s"]
-    rest = s.replace(cache=None, dcache=None)
-    res["verify_s"], res["verify_blocked_s"], (cache, m, nxt, taps), n = time_chain(
-        lambda c: verify_step(loop, target, drafter, c[0], rest, drafts), (s.cache,), calls, reps, counter)
+    rest = s.replace(target_state=None)
+    res["verify_s"], res["verify_blocked_s"], (tstate, pending, m, nxt, taps), n = time_chain(
+        lambda c: verify_step(loop, target, drafter, c[0], rest, drafts), (s.target_state,), calls, reps, counter)
     recompiles += n
-    frozen = s.replace(cache=cache, done=jnp.asarray(np.ones(cell.batch, bool)))
+    frozen = s.replace(target_state=tstate, done=jnp.asarray(np.ones(cell.batch, bool)))
     res["commit_ingest_s"], res["commit_ingest_blocked_s"], frozen, n = time_chain(
-        lambda f: commit_step(loop, drafter, f, drafts, m, nxt, taps, stops), frozen, calls, reps, counter)
+        lambda f: commit_step(loop, target, drafter, f, pending, drafts, m, nxt, taps, stops), frozen, calls, reps,
+        counter)
     recompiles += n
     cell.state = frozen
     ploop = PlainLoop(cell.new, loop.chunk, True, False, loop.impl)
-    ps = cell.plain_state(seq_len=np.asarray(jax.device_get(frozen.cache.seq_len)),
+    ps = cell.plain_state(seq_len=np.asarray(jax.device_get(frozen.target_state.seq_len)),
                           token=np.asarray(jax.device_get(frozen.anchor)))
     res["plain_step_jitted_s"], res["plain_step_jitted_blocked_s"], ps, n = time_chain(
         lambda p: plain_step(ploop, target, p, stops), ps, calls, reps, counter)
     recompiles += n
-    cell.state = cell.state.replace(cache=ps.cache)
+    cell.state = cell.state.replace(target_state=ps.state)
     res["sum_of_phases_s"] = res["draft_s"] + res["verify_s"] + res["commit_ingest_s"]
     return res | {"position": position, "calls": calls, "reps": reps, "recompiles_after_warmup": recompiles}
 

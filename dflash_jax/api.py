@@ -1,40 +1,61 @@
-"""Loading checkpoints into models, and a one-step `propose` for inspecting a drafter."""
+"""The public face: load checkpoints, generate (plain or speculative), propose one block."""
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import checkpoint, policy
 from dflash_jax import sampling as smp
-from dflash_jax import speculative as spec
-from dflash_jax.decode import pack_prompts, stop_array, check_capacity
-from dflash_jax.nn import drafter as dr
-from dflash_jax.nn.dense import Target
-from dflash_jax.nn.drafter import Drafter
+from dflash_jax.config import check_fits_target, policy
+from dflash_jax.decoding import speculative as spec
+from dflash_jax.decoding.common import Result, check_capacity, pack_prompts, stop_array
+from dflash_jax.decoding.plain import plain_generate
+from dflash_jax.decoding.session import Session
+from dflash_jax.drafters.base import Drafter
+from dflash_jax.io import checkpoints
+from dflash_jax.targets.base import Target
 
 
 def load_target(path, dtype=None) -> Target:
     """A Hugging Face Qwen3/Llama directory as a `Target`; `dtype=None` keeps the checkpoint's."""
-    cfg, params = checkpoint.read_target(path, dtype)
-    return Target(cfg, params)
+    return checkpoints.read_target(path, dtype)
 
 
 def load_drafter(path, target: Target | None = None, dtype=None, **overrides) -> Drafter:
-    """A z-lab `DFlashDraftModel` directory as a `Drafter`, checked against `target` when given.
+    """A drafter directory (z-lab `DFlashDraftModel`) as a `Drafter`, checked against `target` when given.
 
     `overrides` set census fields by name (e.g. `block_size=8`, `harvest="dflash"`)."""
-    cfg, params = checkpoint.read_drafter(path, target.config if target is not None else None, dtype, **overrides)
-    return Drafter(cfg, params)
+    return checkpoints.read_drafter(path, target.config if target is not None else None, dtype, **overrides)
+
+
+def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),
+             sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
+             impl: Optional[str] = None, verify_t: Optional[int] = None) -> Result:
+    """Generate up to `max_new_tokens` per prompt, exactly as the target alone would.
+
+    prompts: a list of token-id lists (ragged) or a 2-D int array. stop_tokens: ids that end
+    a row (kept in its output). sampling: one `Sampling` for all rows or one per row
+    (temperature 0 is greedy). verify_t caps the drafts examined per round (speculative only).
+    Plain decoding when `drafter` is None. Returns `Result(tokens, stats)`; one compiled
+    program is reused for calls with the same static shapes.
+    """
+    if drafter is None:
+        if verify_t is not None:
+            raise ValueError("verify_t caps the drafts a round examines; plain decoding (drafter=None) has none")
+        return plain_generate(target, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
+                              sampling=sampling, capacity=capacity, impl=impl)
+    return Session(target, drafter, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
+                   sampling=sampling, capacity=capacity, impl=impl, verify_t=verify_t).run()
 
 
 @dataclasses.dataclass
 class Proposal:
     """One drafting step after prefill: `tokens int32[B, nd]` and `logits float32[B, nd, V]`;
-    `anchor int32[B]` is the target's first token, the block's row 0."""
+    `anchor int32[B]` is the target's first token, the block's first row."""
 
     tokens: np.ndarray
     logits: np.ndarray
@@ -42,23 +63,21 @@ class Proposal:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _propose(loop: spec.Loop, target, drafter, tokens, lengths, cache, dcache, rp, stops):
-    s = loop.start(target, drafter, tokens, lengths, cache, dcache, rp, stops)
-    dc = drafter.config
-    h = dr.draft_hidden(drafter.params, dc, s.dcache, dr.block_input(target.params, dc, s.anchor), loop.impl)
-    logits = dr.draft_logits(target.params, target.config, dc, h)
-    return jnp.argmax(logits, -1).astype(jnp.int32), logits, s.anchor
+def _propose(loop: spec.Loop, target, drafter, tokens, lengths, tstate, dstate, rp, stops):
+    s = loop.start(target, drafter, tokens, lengths, tstate, dstate, rp, stops)
+    prop = loop.propose(target, drafter, s)
+    return prop.drafts, prop.logits, s.anchor
 
 
-def propose(target: Target, drafter: Drafter, prompts, impl: str | None = None) -> Proposal:
+def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = None) -> Proposal:
     """Prefill `prompts`, take the target's next token as anchor, and draft one block (greedy)."""
-    spec.check_drafter(target, drafter)
+    check_fits_target(drafter.config, target.config)
     impl = policy.attention_impl(impl)
     p = pack_prompts(prompts, target.config.vocab_size)
-    cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.config.block_size, None)
-    loop = spec.Loop(1, p.chunk, True, "argmax", impl)
+    cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.n_drafts + 1, None)
+    loop = spec.Loop(1, p.chunk, True, "argmax", impl, drafter.n_drafts + 1)
     out = _propose(loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                   target.init_cache(p.batch, cap), drafter.init_cache(p.batch, cap),
+                   target.init_state(p.batch, cap), drafter.init_state(p.batch, cap),
                    smp.row_params(smp.Sampling(), p.batch), stop_array((), target.config.vocab_size))
     tokens, logits, anchor = jax.device_get(out)
     return Proposal(np.asarray(tokens), np.asarray(logits, np.float32), np.asarray(anchor))

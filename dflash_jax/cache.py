@@ -1,7 +1,7 @@
-"""Caches as pytrees: the target's KV cache and the drafter's context cache.
+"""Caches as pytrees: the KV cache of dense targets and the DFlash drafter's context cache.
 
-Rolling back is moving `seq_len`: entries at or beyond it are masked by attention and
-overwritten later, so nothing is ever copied back (DESIGN.md §3).
+`commit` of either family moves `seq_len`: entries at or beyond it are masked by attention and
+overwritten later, so nothing is ever copied back (docs/architecture.md, "State of each family").
 """
 from __future__ import annotations
 

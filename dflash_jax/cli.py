@@ -5,8 +5,10 @@ import argparse
 import math
 import sys
 
-from dflash_jax import checkpoint, train
+from dflash_jax import train
 from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor
+from dflash_jax.io import checkpoints
+from dflash_jax.io.safetensors import read_config
 
 _DRAFTER_MARKERS = ("DFlash", "DSpark", "Draft")
 
@@ -67,19 +69,19 @@ def describe_drafter(cfg: DrafterConfig) -> list:
 def cmd_inspect(args) -> int:
     """Print the census of a target or drafter directory; non-zero with the refusal if we cannot run it."""
     try:
-        if not is_drafter_config(checkpoint.read_config(args.dir)):
-            cfg, infos = checkpoint.inspect_target(args.dir)
+        if not is_drafter_config(read_config(args.dir)):
+            cfg, infos = checkpoints.inspect_target(args.dir)
             print("\n".join(describe_target(cfg, infos)))
             return 0
-        target = checkpoint.inspect_target(args.target)[0] if args.target else None
+        target = checkpoints.inspect_target(args.target)[0] if args.target else None
         overrides = {k: v for k, v in (("harvest", args.harvest), ("block_size", args.block_size)) if v is not None}
-        cfg, _ = checkpoint.inspect_drafter(args.dir, target, **overrides)
+        cfg, _ = checkpoints.inspect_drafter(args.dir, target, **overrides)
     except (CheckpointError, ValueError) as e:
         print(f"refused: {e}", file=sys.stderr)
         return 1
     print("\n".join(describe_drafter(cfg)))
-    if cfg.family not in checkpoint.SUPPORTED_DRAFTER_FAMILIES:
-        print(f"refused: {checkpoint.unsupported_family_message(cfg)}", file=sys.stderr)
+    if cfg.family not in checkpoints.DRAFTER_FAMILIES:
+        print(f"refused: {checkpoints.unsupported_family_message(cfg)}", file=sys.stderr)
         return 1
     return 0
 
@@ -116,8 +118,6 @@ def _sampling(args):
 
 def cmd_generate(args) -> int:
     """Speculative generation from a prompt, streamed; the bundled demo pair by default."""
-    import time
-
     import dflash_jax
     from dflash_jax.demo import load_demo, load_tokenizer
 
@@ -145,29 +145,35 @@ def cmd_generate(args) -> int:
     sys.stdout.write(text)
     tokens = _stream(session, tokenizer, sys.stdout)
     st = session.stats
-    tps = len(tokens) / max(st["wall_time_s"], 1e-9)
-    print(f"[speculative] {len(tokens)} tokens, acceptance length {st['acceptance_length']:.2f}, "
-          f"{tps:.1f} tokens/s, {st['rounds']} rounds (block size {drafter.config.block_size}; "
-          f"first call includes compilation)", file=sys.stderr)
+    print(f"[speculative] {len(tokens)} tokens, acceptance length {st.acceptance_length:.2f}, "
+          f"{st.tokens_per_s:.1f} tokens/s with prefill, {st.rounds} rounds (block size "
+          f"{drafter.config.block_size}; this first run includes compilation)", file=sys.stderr)
     if args.compare:
-        dflash_jax.generate(target, None, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                            sampling=sampling)  # compile once, so the timing below is decoding only
-        t0 = time.perf_counter()
-        plain = dflash_jax.generate(target, None, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                                    sampling=sampling)
-        plain_s = time.perf_counter() - t0
-        again = dflash_jax.generate(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                                    sampling=sampling)
-        spec_s = again.stats["wall_time_s"]
-        same = plain.tokens[0] == again.tokens[0]
-        verdict = "identical" if same else ("differ (expected when sampling: same distribution, other draws)"
-                                            if not sampling.greedy else "DIFFER")
-        print(f"[compare] plain {len(plain.tokens[0]) / plain_s:.1f} tokens/s, speculative "
-              f"{len(again.tokens[0]) / spec_s:.1f} tokens/s, speedup {plain_s / spec_s:.2f}x; outputs {verdict}",
-              file=sys.stderr)
-        if sampling.greedy and not same:
-            return 1
+        return _compare(target, drafter, ids, args.max_new_tokens, stops, sampling)
     return 0
+
+
+def _compare(target, drafter, ids, max_new_tokens: int, stops, sampling) -> int:
+    """Plain against speculative decoding, like with like: both compiled before they are timed,
+    both timed the same way (`Stats.wall_time_s`: prefill plus decoding, `generate` end to end)."""
+    import dflash_jax
+
+    def run(d):
+        return dflash_jax.generate(target, d, [ids], max_new_tokens=max_new_tokens, stop_tokens=stops,
+                                   sampling=sampling)
+
+    run(None)  # compile plain decoding; the streamed run above compiled the speculative programs
+    plain, spec = run(None), run(drafter)
+    same = plain.tokens[0] == spec.tokens[0]
+    verdict = "identical" if same else ("differ (expected when sampling: same distribution, other draws)"
+                                        if not sampling.greedy else "DIFFER")
+    ps, ss = plain.stats, spec.stats
+    print(f"[compare] plain {ps.tokens_per_s:.1f} tokens/s ({ps.generated} in {ps.wall_time_s * 1e3:.0f} ms, "
+          f"prefill {ps.prefill_time_s * 1e3:.0f} ms), speculative {ss.tokens_per_s:.1f} tokens/s "
+          f"({ss.generated} in {ss.wall_time_s * 1e3:.0f} ms, prefill {ss.prefill_time_s * 1e3:.0f} ms), "
+          f"speedup {ss.tokens_per_s / ps.tokens_per_s:.2f}x; outputs {verdict}",
+          file=sys.stderr)
+    return 1 if sampling.greedy and not same else 0
 
 
 def _add_generate(sub) -> None:

@@ -11,8 +11,8 @@ import os
 import tokenizers
 
 from dflash_jax.api import load_drafter, load_target
-from dflash_jax.nn.dense import Target
-from dflash_jax.nn.drafter import Drafter
+from dflash_jax.drafters.base import Drafter
+from dflash_jax.targets.base import Target
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo")
 

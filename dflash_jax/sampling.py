@@ -2,7 +2,7 @@
 
 One set of filters (temperature, top-k, top-p, min-p, in that order) serves plain
 decoding, the drafter's proposals and the target's verification, so p and q are always
-filtered the same way (DESIGN.md §8). Greedy is temperature 0: its filtered distribution
+filtered the same way (docs/architecture.md, "Sampling"). Greedy is temperature 0: its filtered distribution
 is one-hot at the argmax, so greedy rows go through the same code as sampled ones and a
 batch may mix both. Everything here is pure jnp over per-row parameter arrays and jits
 with those parameters traced; nothing is jitted at module level, callers jit the round.
@@ -333,10 +333,10 @@ class SparseQ:
     probs: jax.Array
 
 
-Proposal = Union[DenseQ, OneHotQ, SparseQ]
+QDist = Union[DenseQ, OneHotQ, SparseQ]
 
 
-def _q_of(q: Proposal, tokens: jax.Array) -> jax.Array:
+def _q_of(q: QDist, tokens: jax.Array) -> jax.Array:
     """q(tokens) for tokens i32[B, nd] -> f32[B, nd]."""
     if isinstance(q, DenseQ):
         return jnp.take_along_axis(q.probs, tokens[..., None], axis=-1)[..., 0]
@@ -345,13 +345,13 @@ def _q_of(q: Proposal, tokens: jax.Array) -> jax.Array:
     return jnp.ones(tokens.shape, jnp.float32)
 
 
-def _q_at_slot(q: Proposal, slot: jax.Array) -> Proposal:
+def _q_at_slot(q: QDist, slot: jax.Array) -> QDist:
     """The proposal of one slot per row: fields [B, nd, ...] -> [B, ...]."""
     rows = jnp.arange(slot.shape[0])
     return jax.tree_util.tree_map(lambda a: a[rows, slot], q)
 
 
-def _dense_q(q: Proposal, draft: jax.Array, vocab: int) -> jax.Array:
+def _dense_q(q: QDist, draft: jax.Array, vocab: int) -> jax.Array:
     """q of one slot per row as f32[B, V] probabilities."""
     if isinstance(q, DenseQ):
         return q.probs.astype(jnp.float32)
@@ -361,7 +361,7 @@ def _dense_q(q: Proposal, draft: jax.Array, vocab: int) -> jax.Array:
     return jax.nn.one_hot(draft, vocab, dtype=jnp.float32)
 
 
-def residual_logprobs(p_logprobs: jax.Array, q: Proposal, draft: jax.Array) -> jax.Array:
+def residual_logprobs(p_logprobs: jax.Array, q: QDist, draft: jax.Array) -> jax.Array:
     """log normalize(max(p - q, 0)): where to draw after rejecting `draft`.
 
     p_logprobs f32[B, V]; q is the proposal of this slot (DenseQ probs [B, V], OneHotQ,
@@ -382,7 +382,7 @@ def residual_logprobs(p_logprobs: jax.Array, q: Proposal, draft: jax.Array) -> j
 def speculative_accept(
     p_logprobs: jax.Array,
     drafts: jax.Array,
-    q: Proposal,
+    q: QDist,
     vt: jax.Array,
     keys: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:

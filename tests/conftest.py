@@ -4,10 +4,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.checkpoint import drafter_param_shapes, target_param_shapes
 from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig
-from dflash_jax.nn.dense import Target
-from dflash_jax.nn.drafter import Drafter
+from dflash_jax.drafters.base import Drafter
+from dflash_jax.io.checkpoints import drafter_family, make_drafter, make_target, target_family
+from dflash_jax.targets.base import Target
+
+
+def target_param_shapes(cfg: TargetConfig) -> dict:
+    """The target family's params pytree with shape tuples as leaves (from its module)."""
+    return target_family(cfg).param_shapes(cfg)
+
+
+def drafter_param_shapes(cfg: DrafterConfig) -> dict:
+    """The drafter family's params pytree with shape tuples as leaves (from its module)."""
+    return drafter_family(cfg).param_shapes(cfg)
 
 
 def random_params(shapes, seed: int, scale: float = 0.2):
@@ -27,7 +37,7 @@ def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 3, hidden: int = 3
     cfg = TargetConfig(arch="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
                        rope=RopeConfig(10000.0), max_position_embeddings=1024)
-    return Target(cfg, random_params(target_param_shapes(cfg), seed))
+    return make_target(cfg, random_params(target_param_shapes(cfg), seed))
 
 
 def tiny_drafter(target: Target, block_size: int, seed: int = 1, windows=(None, None), causal=(False, False),
@@ -38,7 +48,7 @@ def tiny_drafter(target: Target, block_size: int, seed: int = 1, windows=(None, 
                         rope=RopeConfig(10000.0), block_size=block_size, mask_token_id=tc.vocab_size - 1,
                         target_layer_ids=tuple(tap_ids), layer_window=tuple(windows), causal=tuple(causal),
                         vocab_size=tc.vocab_size)
-    return Drafter(cfg, random_params(drafter_param_shapes(cfg), seed))
+    return make_drafter(cfg, random_params(drafter_param_shapes(cfg), seed))
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,7 @@ def test_planted_random_target_has_a_wide_argmax_margin_and_agrees_in_bf16():
     (Plain random weights: the top-1 lead is as little as 0.02 logit standard deviations.)"""
     cfg = dataclasses.replace(common.TINY, dtype="bfloat16")
     target = common.random_target(cfg, jnp.bfloat16)
-    logits = np.asarray(target.logits([list(range(5, 69))]), np.float32)[0]
+    logits = np.asarray(target.full_logits([list(range(5, 69))]), np.float32)[0]
     top = np.sort(logits, axis=-1)
     lead = (top[:, -1] - top[:, -2]) / logits.std(axis=-1)
     assert lead.min() > 1.0, f"top-1 leads by only {lead.min():.3f} standard deviations somewhere"

@@ -10,15 +10,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from dflash_jax import checkpoint
-from dflash_jax.config import (
-    CheckpointError,
-    DrafterConfig,
-    RopeConfig,
-    TargetConfig,
-    drafter_census,
-    drafter_tensor_shapes,
-)
+from conftest import drafter_param_shapes, target_param_shapes
+from dflash_jax.config import CheckpointError, DrafterConfig, RopeConfig, TargetConfig
+from dflash_jax.io import checkpoints, names
+from dflash_jax.io.checkpoints import drafter_census, drafter_tensor_shapes, make_drafter, make_target
+from dflash_jax.io.safetensors import INDEX_FILE, SINGLE_FILE, _open
+from dflash_jax.targets.dense import DenseTarget
 
 QWEN3 = TargetConfig("qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope=RopeConfig(1e6),
@@ -52,10 +49,15 @@ def assert_trees_equal(a, b, why):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=why)
 
 
+def target_hf_tensors(cfg, params):
+    """Hugging Face name -> float32 array (`[out, in]`) for a target pytree, as write_target stores them."""
+    return names.hf_tensors(checkpoints.target_family(cfg).name_map(cfg), params, "float32")
+
+
 def rewrite_tensors(path, edit):
     """Apply `edit(dict)` to the tensors of a single-file checkpoint and save them back."""
-    file = os.path.join(path, checkpoint.SINGLE_FILE)
-    with checkpoint._open(file) as fh:
+    file = os.path.join(path, SINGLE_FILE)
+    with _open(file) as fh:
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}
     edit(tensors)
     save_file(tensors, file, metadata={"format": "pt"})
@@ -75,38 +77,39 @@ def edit_config(path, edit):
 
 @pytest.mark.parametrize("cfg", [QWEN3, LLAMA], ids=["qwen3-untied", "llama-tied-bias-llama3rope"])
 def test_write_target_then_read_target_is_exact_in_float32(tmp_path, cfg):
-    params = random_params(checkpoint.target_param_shapes(cfg))
-    checkpoint.write_target(tmp_path, cfg, params, dtype="float32")
-    cfg2, params2 = checkpoint.read_target(tmp_path)
-    assert cfg2 == cfg, "config survives the transformers-4 form"
-    assert_trees_equal(params, params2, "layouts convert [in,out] <-> [out,in] and fuse/split exactly")
+    params = random_params(target_param_shapes(cfg))
+    checkpoints.write_target(tmp_path, make_target(cfg, params), dtype="float32")
+    target = checkpoints.read_target(tmp_path)
+    assert target.config == cfg, "config survives the transformers-4 form"
+    assert_trees_equal(params, target.params, "layouts convert [in,out] <-> [out,in] and fuse/split exactly")
 
 
 def test_sharded_checkpoint_reads_like_a_single_file(tmp_path):
-    params = random_params(checkpoint.target_param_shapes(QWEN3))
-    checkpoint.write_target(tmp_path, QWEN3, params, dtype="float32", shard_bytes=20_000)
-    assert not (tmp_path / checkpoint.SINGLE_FILE).exists()
-    index = json.loads((tmp_path / checkpoint.INDEX_FILE).read_text())
+    params = random_params(target_param_shapes(QWEN3))
+    checkpoints.write_target(tmp_path, make_target(QWEN3, params), dtype="float32", shard_bytes=20_000)
+    assert not (tmp_path / SINGLE_FILE).exists()
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 2, "several shards written"
-    assert_trees_equal(params, checkpoint.read_target(tmp_path)[1], "sharded load is the same pytree")
+    assert_trees_equal(params, checkpoints.read_target(tmp_path).params, "sharded load is the same pytree")
 
 
 def test_bfloat16_checkpoint_keeps_its_dtype_or_converts_on_request(tmp_path):
-    params = random_params(checkpoint.target_param_shapes(QWEN3))
-    checkpoint.write_target(tmp_path, QWEN3, params)
-    cfg, kept = checkpoint.read_target(tmp_path)
-    assert cfg.dtype == "bfloat16" and {x.dtype for x in jax.tree.leaves(kept)} == {jnp.dtype(jnp.bfloat16)}
-    cfg32, as32 = checkpoint.read_target(tmp_path, dtype=jnp.float32)
-    assert cfg32.dtype == "float32"
+    params = random_params(target_param_shapes(QWEN3))
+    checkpoints.write_target(tmp_path, make_target(QWEN3, params))
+    kept = checkpoints.read_target(tmp_path)
+    assert kept.config.dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(kept.params)} == {jnp.dtype(jnp.bfloat16)}
+    as32 = checkpoints.read_target(tmp_path, dtype=jnp.float32)
+    assert as32.config.dtype == "float32"
     rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
-    assert_trees_equal(rounded, as32, "bf16 storage rounds once; f32 read is exact on that")
+    assert_trees_equal(rounded, as32.params, "bf16 storage rounds once; f32 read is exact on that")
 
 
 def test_write_target_refuses_params_that_do_not_match_the_config(tmp_path):
-    params = random_params(checkpoint.target_param_shapes(QWEN3))
-    params["layers"][1]["wo"] = jnp.zeros((64, 31))
-    with pytest.raises(ValueError, match=r"\['layers'\]\[1\]\['wo'\] \(64, 31\) \(expected \(64, 32\)\)"):
-        checkpoint.write_target(tmp_path, QWEN3, params)
+    params = random_params(target_param_shapes(QWEN3))
+    params["layers_1"]["wo"] = jnp.zeros((64, 31))
+    with pytest.raises(ValueError, match=r"\['layers_1'\]\['wo'\]: \(64, 31\) \(expected \(64, 32\)\)"):
+        checkpoints.write_target(tmp_path, DenseTarget(QWEN3, params))
 
 
 # --- transformers loads what we write ----------------------------------------------------
@@ -116,12 +119,12 @@ def test_write_target_refuses_params_that_do_not_match_the_config(tmp_path):
 def test_transformers_loads_write_target_output_with_our_tensors(tmp_path, cfg):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    params = random_params(checkpoint.target_param_shapes(cfg), seed=1)
-    checkpoint.write_target(tmp_path, cfg, params, dtype="float32")
+    params = random_params(target_param_shapes(cfg), seed=1)
+    checkpoints.write_target(tmp_path, make_target(cfg, params), dtype="float32")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.arch]
     state = {k: v.numpy() for k, v in model.state_dict().items()}
-    ours = checkpoint.target_hf_tensors(cfg, params)
+    ours = target_hf_tensors(cfg, params)
     if cfg.tie_word_embeddings:
         np.testing.assert_array_equal(state.pop("lm_head.weight"), ours["model.embed_tokens.weight"],
                                       err_msg="tied lm_head is the embedding")
@@ -136,10 +139,10 @@ def test_our_fused_layout_computes_what_transformers_projections_compute(tmp_pat
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     cfg = dataclasses.replace(QWEN3, attention_bias=True)
-    params = random_params(checkpoint.target_param_shapes(cfg), seed=2)
-    checkpoint.write_target(tmp_path, cfg, params, dtype="float32")
+    params = random_params(target_param_shapes(cfg), seed=2)
+    checkpoints.write_target(tmp_path, make_target(cfg, params), dtype="float32")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    layer, ours = model.model.layers[1], params["layers"][1]
+    layer, ours = model.model.layers[1], params["layers_1"]
     x = np.random.default_rng(3).standard_normal((5, cfg.hidden_size)).astype(np.float32)
     q, kv = cfg.q_width, cfg.kv_width
 
@@ -173,21 +176,23 @@ def test_read_target_reads_what_transformers_save_pretrained_writes(tmp_path):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(tmp_path)
-    cfg, params = checkpoint.read_target(tmp_path, dtype="float32")
+    target = checkpoints.read_target(tmp_path, dtype="float32")
+    cfg = target.config
     assert (cfg.arch, cfg.head_dim, cfg.rope.rope_type, cfg.rope.get("factor")) == ("llama", 8, "yarn", 4.0)
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    ours = checkpoint.target_hf_tensors(cfg, params)
+    ours = target_hf_tensors(cfg, target.params)
     for name, value in ours.items():
         np.testing.assert_array_equal(value, state[name], err_msg=name)
 
 
 def test_sharded_index_naming_an_absent_shard_is_refused(tmp_path):
-    checkpoint.write_target(tmp_path, QWEN3, random_params(checkpoint.target_param_shapes(QWEN3)),
+    checkpoints.write_target(tmp_path, make_target(QWEN3, random_params(target_param_shapes(QWEN3))),
                             dtype="float32", shard_bytes=20_000)
-    shard = sorted(set(json.loads((tmp_path / checkpoint.INDEX_FILE).read_text())["weight_map"].values()))[1]
+    shard = sorted(set(json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"].values()))[1]
     (tmp_path / shard).unlink()
     with pytest.raises(CheckpointError, match=f"lists shard {shard}, which is not in"):
-        checkpoint.read_target(tmp_path)
+        checkpoints.read_target(tmp_path)
+
 
 
 # --- target refusals ---------------------------------------------------------------------
@@ -195,115 +200,116 @@ def test_sharded_index_naming_an_absent_shard_is_refused(tmp_path):
 
 @pytest.fixture
 def qwen3_dir(tmp_path):
-    checkpoint.write_target(tmp_path, QWEN3, random_params(checkpoint.target_param_shapes(QWEN3)), dtype="float32")
+    checkpoints.write_target(tmp_path, make_target(QWEN3, random_params(target_param_shapes(QWEN3))), dtype="float32")
     return tmp_path
 
 
 def test_missing_tensor_is_refused_naming_it_and_its_shape(qwen3_dir):
     rewrite_tensors(qwen3_dir, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor.*model.layers.1.self_attn.k_norm.weight \(expected \[16\]\)"):
-        checkpoint.read_target(qwen3_dir)
+        checkpoints.read_target(qwen3_dir)
 
 
 def test_unexpected_tensor_is_refused(qwen3_dir):
     rewrite_tensors(qwen3_dir, lambda t: t.update({"model.layers.2.mlp.gate_proj.weight": np.zeros((48, 32), np.float32)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor.*model.layers.2.mlp.gate_proj.weight.*qwen3 target"):
-        checkpoint.read_target(qwen3_dir)
+        checkpoints.read_target(qwen3_dir)
 
 
 def test_shape_mismatch_is_refused_with_found_and_expected(qwen3_dir):
     rewrite_tensors(qwen3_dir, lambda t: t.update({"model.layers.0.mlp.down_proj.weight": np.zeros((32, 40), np.float32)}))
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.weight has shape \[32, 40\], expected \[32, 48\]"):
-        checkpoint.read_target(qwen3_dir)
+        checkpoints.read_target(qwen3_dir)
 
 
 def test_corrupted_safetensors_header_is_refused_naming_the_file(qwen3_dir):
-    file = qwen3_dir / checkpoint.SINGLE_FILE
+    file = qwen3_dir / SINGLE_FILE
     data = bytearray(file.read_bytes())
     data[8:12] = b"}{]["
     file.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"model.safetensors: unreadable safetensors header"):
-        checkpoint.read_target(qwen3_dir)
+        checkpoints.read_target(qwen3_dir)
 
 
 def test_directory_without_weights_or_config_is_refused(tmp_path, qwen3_dir):
-    (qwen3_dir / checkpoint.SINGLE_FILE).unlink()
+    (qwen3_dir / SINGLE_FILE).unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors and no model.safetensors.index.json"):
-        checkpoint.read_target(qwen3_dir)
+        checkpoints.read_target(qwen3_dir)
     with pytest.raises(CheckpointError, match="no config.json"):
-        checkpoint.read_target(tmp_path / "nowhere")
+        checkpoints.read_target(tmp_path / "nowhere")
 
 
 def test_unsupported_architecture_directory_is_refused(qwen3_dir):
     edit_config(qwen3_dir, lambda d: d.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3"))
     with pytest.raises(CheckpointError, match="unsupported target.*supported: Qwen3ForCausalLM"):
-        checkpoint.read_target(qwen3_dir)
+        checkpoints.read_target(qwen3_dir)
 
 
 def test_rotary_inv_freq_buffers_and_tied_lm_head_are_ignored_like_transformers(tmp_path):
     cfg = dataclasses.replace(QWEN3, tie_word_embeddings=True)
-    params = random_params(checkpoint.target_param_shapes(cfg))
-    checkpoint.write_target(tmp_path, cfg, params, dtype="float32")
+    params = random_params(target_param_shapes(cfg))
+    checkpoints.write_target(tmp_path, make_target(cfg, params), dtype="float32")
     rewrite_tensors(tmp_path, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32),
                                                   "lm_head.weight": np.ones((64, 32), np.float32)}))
-    assert_trees_equal(params, checkpoint.read_target(tmp_path)[1], "ignorable tensors do not change the params")
+    assert_trees_equal(params, checkpoints.read_target(tmp_path).params,
+                       "ignorable tensors do not change the params")
 
 
 # --- drafter -----------------------------------------------------------------------------
 
 
 def test_write_drafter_then_read_drafter_is_exact_in_float32(tmp_path):
-    params = random_params(checkpoint.drafter_param_shapes(DRAFTER))
-    checkpoint.write_drafter(tmp_path, DRAFTER, params, dtype="float32")
+    params = random_params(drafter_param_shapes(DRAFTER))
+    checkpoints.write_drafter(tmp_path, make_drafter(DRAFTER, params), dtype="float32")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["target_layer_ids"] == [0, 1]
-    cfg, params2 = checkpoint.read_drafter(tmp_path, env=NO_ENV)
-    assert dataclasses.replace(cfg, reasons=()) == DRAFTER, "every census field reads back"
-    assert_trees_equal(params, params2, "drafter layouts convert exactly")
+    drafter = checkpoints.read_drafter(tmp_path, env=NO_ENV)
+    assert dataclasses.replace(drafter.config, reasons=()) == DRAFTER, "every census field reads back"
+    assert_trees_equal(params, drafter.params, "drafter layouts convert exactly")
 
 
 def test_drafter_round_trip_with_uniform_is_causal_and_target_check(tmp_path):
     cfg = dataclasses.replace(DRAFTER, causal=(True,) * 3, vocab_size=None, layer_window=(None,) * 3)
-    params = random_params(checkpoint.drafter_param_shapes(cfg))
-    checkpoint.write_drafter(tmp_path, cfg, params, dtype="float32")
+    params = random_params(drafter_param_shapes(cfg))
+    checkpoints.write_drafter(tmp_path, make_drafter(cfg, params), dtype="float32")
     assert json.loads((tmp_path / "config.json").read_text())["is_causal"] is True
-    back, _ = checkpoint.read_drafter(tmp_path, target_cfg=QWEN3, env=NO_ENV)
+    back = checkpoints.read_drafter(tmp_path, target_cfg=QWEN3, env=NO_ENV).config
     assert dataclasses.replace(back, reasons=()) == dataclasses.replace(cfg, vocab_size=64), "vocab from the target"
 
 
 def test_read_drafter_converts_dtype(tmp_path):
-    checkpoint.write_drafter(tmp_path, DRAFTER, random_params(checkpoint.drafter_param_shapes(DRAFTER)))
-    _, kept = checkpoint.read_drafter(tmp_path, env=NO_ENV)
-    _, as32 = checkpoint.read_drafter(tmp_path, dtype="float32", env=NO_ENV)
+    checkpoints.write_drafter(tmp_path, make_drafter(DRAFTER, random_params(drafter_param_shapes(DRAFTER))))
+    kept = checkpoints.read_drafter(tmp_path, env=NO_ENV).params
+    as32 = checkpoints.read_drafter(tmp_path, dtype="float32", env=NO_ENV).params
     assert {x.dtype for x in jax.tree.leaves(kept)} == {jnp.dtype(jnp.bfloat16)}, "dtype None keeps bf16"
     assert {x.dtype for x in jax.tree.leaves(as32)} == {jnp.dtype(jnp.float32)}
 
 
 @pytest.fixture
 def drafter_dir(tmp_path):
-    checkpoint.write_drafter(tmp_path, DRAFTER, random_params(checkpoint.drafter_param_shapes(DRAFTER)), "float32")
+    checkpoints.write_drafter(tmp_path, make_drafter(DRAFTER, random_params(drafter_param_shapes(DRAFTER))), "float32")
     return tmp_path
 
 
 def test_unknown_drafter_tensor_warns_and_is_recorded(drafter_dir):
     rewrite_tensors(drafter_dir, lambda t: t.update({"layers.0.self_attn.rotary.extra": np.ones(3, np.float32)}))
     with pytest.warns(UserWarning, match=r"unknown tensors ignored: \['layers.0.self_attn.rotary.extra'\]"):
-        cfg, _ = checkpoint.read_drafter(drafter_dir, env=NO_ENV)
+        cfg = checkpoints.read_drafter(drafter_dir, env=NO_ENV).config
     assert cfg.warnings == ("unknown tensors ignored: ['layers.0.self_attn.rotary.extra']",)
 
 
 def test_drafter_missing_tensor_and_shape_mismatch_are_refused(drafter_dir):
     rewrite_tensors(drafter_dir, lambda t: t.update({"fc.weight": np.zeros((32, 96), np.float32)}))
     with pytest.raises(CheckpointError, match=r"fc.weight has shape \[32, 96\], expected \[32, 64\]"):
-        checkpoint.read_drafter(drafter_dir, env=NO_ENV)
+        checkpoints.read_drafter(drafter_dir, env=NO_ENV)
     rewrite_tensors(drafter_dir, lambda t: t.pop("hidden_norm.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor.*hidden_norm.weight \(expected \[32\]\)"):
-        checkpoint.read_drafter(drafter_dir, env=NO_ENV)
+        checkpoints.read_drafter(drafter_dir, env=NO_ENV)
 
 
 def test_drafter_against_a_mismatched_target_is_refused(drafter_dir):
     with pytest.raises(CheckpointError, match="drafter hidden_size 32 != target hidden_size 24"):
-        checkpoint.read_drafter(drafter_dir, target_cfg=LLAMA, env=NO_ENV)
+        checkpoints.read_drafter(drafter_dir, target_cfg=LLAMA, env=NO_ENV)
 
 
 def test_dspark_drafter_directory_is_refused_as_not_yet_implemented(drafter_dir):
@@ -311,11 +317,11 @@ def test_dspark_drafter_directory_is_refused_as_not_yet_implemented(drafter_dir)
     with pytest.raises(CheckpointError, match=r"DSpark drafter detected \(family dspark: architectures "
                                               r"\['DSparkDraftModel'\].*\): not yet implemented in dflash-jax; "
                                               r"supported: DFlash \(DFlashDraftModel\)"):
-        checkpoint.read_drafter(drafter_dir, env=NO_ENV)
+        checkpoints.read_drafter(drafter_dir, env=NO_ENV)
 
 
 def test_read_drafter_applies_overrides_and_the_harvest_environment(drafter_dir):
-    cfg, _ = checkpoint.read_drafter(drafter_dir, block_size=6, env={"DFLASH_HARVEST": "dspark"})
+    cfg = checkpoints.read_drafter(drafter_dir, block_size=6, env={"DFLASH_HARVEST": "dspark"}).config
     assert (cfg.block_size, cfg.harvest, cfg.n_drafts) == (6, "dspark", 6)
 
 
@@ -323,10 +329,10 @@ def test_read_drafter_maps_z_lab_names_to_the_fused_layout(tmp_path):
     rng = np.random.default_rng(5)
     hf = {n: rng.standard_normal(s).astype(np.float32)
           for n, s in drafter_tensor_shapes(DRAFTER).items()}
-    checkpoint.write_drafter(tmp_path, DRAFTER, random_params(checkpoint.drafter_param_shapes(DRAFTER)), "float32")
-    save_file(hf, str(tmp_path / checkpoint.SINGLE_FILE), metadata={"format": "pt"})
-    _, params = checkpoint.read_drafter(tmp_path, env=NO_ENV)
-    layer = params["layers"][2]
+    checkpoints.write_drafter(tmp_path, make_drafter(DRAFTER, random_params(drafter_param_shapes(DRAFTER))), "float32")
+    save_file(hf, str(tmp_path / SINGLE_FILE), metadata={"format": "pt"})
+    params = checkpoints.read_drafter(tmp_path, env=NO_ENV).params
+    layer = params["layers_2"]
     np.testing.assert_array_equal(params["fc"], hf["fc.weight"].T, err_msg="fc stored [n_taps*H, H]")
     np.testing.assert_array_equal(layer["wq"], hf["layers.2.self_attn.q_proj.weight"].T)
     np.testing.assert_array_equal(layer["wkv"], np.concatenate([hf["layers.2.self_attn.k_proj.weight"].T,
@@ -339,13 +345,17 @@ def test_read_drafter_maps_z_lab_names_to_the_fused_layout(tmp_path):
 
 
 def test_write_drafter_refuses_what_the_format_cannot_hold(tmp_path):
-    params = random_params(checkpoint.drafter_param_shapes(DRAFTER))
+    params = random_params(drafter_param_shapes(DRAFTER))
+
+    def drafter(**changes):
+        return make_drafter(dataclasses.replace(DRAFTER, **changes), params)
+
     with pytest.raises(ValueError, match="harvest 'dspark'"):
-        checkpoint.write_drafter(tmp_path, dataclasses.replace(DRAFTER, harvest="dspark"), params)
+        checkpoints.write_drafter(tmp_path, drafter(harvest="dspark"))
     with pytest.raises(ValueError, match="different windows \\[8, 16\\]"):
-        checkpoint.write_drafter(tmp_path, dataclasses.replace(DRAFTER, layer_window=(None, 8, 16)), params)
+        checkpoints.write_drafter(tmp_path, drafter(layer_window=(None, 8, 16)))
     with pytest.raises(ValueError, match="neither uniform nor the default rule"):
-        checkpoint.write_drafter(tmp_path, dataclasses.replace(DRAFTER, causal=(True, False, True)), params)
+        checkpoints.write_drafter(tmp_path, drafter(causal=(True, False, True)))
 
 
 def test_written_drafter_config_is_what_the_census_reads(drafter_dir):
@@ -354,4 +364,4 @@ def test_written_drafter_config_is_what_the_census_reads(drafter_dir):
     assert dataclasses.replace(cfg, reasons=()) == DRAFTER
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        checkpoint.read_drafter(drafter_dir, env=NO_ENV)
+        checkpoints.read_drafter(drafter_dir, env=NO_ENV)

@@ -7,8 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax import checkpoint, cli
+from conftest import drafter_param_shapes, target_param_shapes
+from dflash_jax import cli
 from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig
+from dflash_jax.io.checkpoints import make_drafter, make_target, write_drafter, write_target
 
 TARGET = TargetConfig("qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
@@ -30,14 +32,14 @@ def no_harvest_env(monkeypatch):
 @pytest.fixture
 def target_dir(tmp_path):
     path = tmp_path / "target"
-    checkpoint.write_target(path, TARGET, zeros(checkpoint.target_param_shapes(TARGET)))
+    write_target(path, make_target(TARGET, zeros(target_param_shapes(TARGET))))
     return path
 
 
 @pytest.fixture
 def drafter_dir(tmp_path):
     path = tmp_path / "drafter"
-    checkpoint.write_drafter(path, DRAFTER, zeros(checkpoint.drafter_param_shapes(DRAFTER)))
+    write_drafter(path, make_drafter(DRAFTER, zeros(drafter_param_shapes(DRAFTER))))
     return path
 
 
@@ -76,7 +78,7 @@ def test_inspect_overrides_and_target_check(capsys, drafter_dir, target_dir):
 
 def test_inspect_refuses_a_drafter_that_does_not_fit_the_target(capsys, drafter_dir, tmp_path):
     other = TargetConfig("llama", 64, 24, 40, 2, 4, 2, 6, 1e-5, RopeConfig(1e4))
-    checkpoint.write_target(tmp_path / "llama", other, zeros(checkpoint.target_param_shapes(other)))
+    write_target(tmp_path / "llama", make_target(other, zeros(target_param_shapes(other))))
     code, out, err = run(capsys, drafter_dir, "--target", tmp_path / "llama")
     assert code == 1 and out == ""
     assert "refused: drafter hidden_size 32 != target hidden_size 24" in err

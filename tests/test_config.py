@@ -8,17 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import policy
 from dflash_jax.config import (
     CheckpointError,
     RopeConfig,
     TargetConfig,
     default_target_layer_ids,
-    drafter_census,
-    drafter_tensor_shapes,
+    policy,
     rope_from_hf,
     target_config_from_hf,
 )
+from dflash_jax.io.checkpoints import drafter_census, drafter_tensor_shapes
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 NO_ENV = {}
@@ -388,7 +387,8 @@ def test_drafter_checked_against_its_target():
         drafter_census(dflash_config(), target=_qwen3_8b(vocab_size=151000), env=NO_ENV)
     d = dflash_config()
     del d["num_target_layers"]
-    with pytest.raises(CheckpointError, match=r"target_layer_ids \[33\] are outside the target's layers 0..27"):
+    with pytest.raises(CheckpointError, match=r"target_layer_ids \[1, 9, 17, 25, 33\] name layers \[33\] "
+                                              r"outside the target's layers 0..27"):
         drafter_census(d, target=_qwen3_8b(num_layers=28), env=NO_ENV)
 
 
@@ -448,7 +448,7 @@ def test_verify_cap_resolution_and_refusals():
 
 
 def test_attention_impl_defaults_to_pallas_on_gpu_only_and_honours_overrides():
-    from dflash_jax import policy
+    from dflash_jax.config import policy
 
     assert policy.attention_impl(env={}, backend="gpu") == "pallas"
     assert policy.attention_impl(env={}, backend="cpu") == "xla"

@@ -1,6 +1,6 @@
 """The drafter forward against an independent step-by-step numpy reference of DESIGN.md §4.
 
-The reference below imports nothing from `dflash_jax.nn`: RMSNorm, rotate-half RoPE
+The reference below imports nothing from `dflash_jax.targets` or `dflash_jax.drafters`: RMSNorm, rotate-half RoPE
 (default rope, `inv_freq = theta^(-2i/d)`), GQA attention with an explicit loop over keys
 deciding visibility from absolute positions, and SwiGLU are written out in float64 numpy.
 One drafting step for one row:
@@ -32,10 +32,9 @@ import pytest
 
 from dflash_jax.api import propose
 from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig
-from dflash_jax.nn import dense
-from dflash_jax.nn import drafter as dr
-from dflash_jax.nn.dense import Target
-from dflash_jax.nn.drafter import Drafter
+from dflash_jax.drafters.dflash import DFlashDrafter
+from dflash_jax.io.checkpoints import make_drafter, make_target
+from dflash_jax.targets.dense import DenseTarget
 
 TOL = 1e-5  # relative to the largest |reference| value, float32 library vs float64 reference
 TEETH = 1e-2  # a mask variant counts as "different" beyond this relative distance
@@ -123,7 +122,8 @@ def reference_step(dparams, cfg: DrafterConfig, embed, lm_head, taps, anchor):
     blk_pos = t + np.arange(b)
     ctx = ref_rms(taps @ p["fc"], p["hidden_norm"])
     x = f64(embed)[[anchor] + [cfg.mask_token_id] * (b - 1)] * cfg.input_embedding_scale
-    for i, lp in enumerate(p["layers"]):
+    for i in range(cfg.num_layers):
+        lp = p[f"layers_{i}"]
         w = ref_layer_weights(lp)
         ctx_k = ref_rope(ref_rms(heads(ctx @ w["wk"]), w["k_norm"]), ctx_pos)
         ctx_v = heads(ctx @ w["wv"])
@@ -176,7 +176,7 @@ def random_drafter(rng, cfg: DrafterConfig) -> dict:
                 "w_down": normal(rng, (F, H), F ** -0.5)}
 
     return {"fc": normal(rng, (cfg.n_taps * H, H), (cfg.n_taps * H) ** -0.5), "hidden_norm": norm_weight(rng, H),
-            "norm": norm_weight(rng, H), "layers": [layer() for _ in range(cfg.num_layers)]}
+            "norm": norm_weight(rng, H), **{f"layers_{i}": layer() for i in range(cfg.num_layers)}}
 
 
 def random_target(rng, num_layers: int) -> dict:
@@ -186,7 +186,7 @@ def random_target(rng, num_layers: int) -> dict:
                 "wo": normal(rng, (NH * HD, H), (NH * HD) ** -0.5), "mlp_norm": norm_weight(rng, H),
                 "w_gate_up": normal(rng, (H, 2 * F), H ** -0.5), "w_down": normal(rng, (F, H), F ** -0.5)}
 
-    return {"embed": normal(rng, (V, H)), "layers": [layer() for _ in range(num_layers)],
+    return {"embed": normal(rng, (V, H)), **{f"layers_{i}": layer() for i in range(num_layers)},
             "final_norm": norm_weight(rng, H), "lm_head": normal(rng, (H, V), H ** -0.5)}
 
 
@@ -195,25 +195,34 @@ def head_only_target(rng) -> dict:
     return {"embed": normal(rng, (V, H)), "lm_head": normal(rng, (H, V), H ** -0.5)}
 
 
+def head_target(tparams: dict) -> DenseTarget:
+    """A one-layer Target around the embedding table and LM head of `tparams`; the drafter reads
+    nothing else of it, so its layer and final norm are zero placeholders."""
+    filler = jax.tree.map(jnp.zeros_like, random_target(np.random.default_rng(0), 1))
+    return make_target(target_config(), {**filler, **tparams})
+
+
 # ---------------------------------------------------------------------------------------
 # Library side and comparison helpers.
 
 @functools.partial(jax.jit, static_argnums=1)
 def library_step(dparams, cfg, tparams, taps, ctx_lens, anchors):
-    """ingest (all rows at start 0) -> seq_len per row -> block_input -> draft_hidden -> draft_logits."""
+    """ingest (all rows at start 0) -> commit seq_len per row -> block_input -> draft_hidden -> harvest_logits."""
     bsz, t, _ = taps.shape
-    cache = Drafter(cfg, dparams).init_cache(bsz, t + cfg.block_size + 4)
-    cache = dr.ingest(dparams, cfg, cache, taps, jnp.zeros((bsz,), jnp.int32))
-    cache = cache.replace(seq_len=ctx_lens)
-    h = dr.draft_hidden(dparams, cfg, cache, dr.block_input(tparams, cfg, anchors))
-    return h, dr.draft_logits(tparams, target_config(), cfg, h)
+    drafter, target = DFlashDrafter(cfg, dparams), head_target(tparams)
+    state = drafter.init_state(bsz, t + cfg.block_size + 4)
+    state, pending = drafter.ingest(state, taps, jnp.zeros((bsz,), jnp.int32))
+    state = drafter.commit(state, pending, ctx_lens)
+    h = drafter.draft_hidden(state, drafter.block_input(target, anchors))
+    return h, drafter.harvest_logits(target, h)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def library_train(dparams, cfg, tparams, taps, anchor_tokens, anchors):
-    """Block inputs for each anchor `[B, A]`, then `draft_hidden_train`."""
-    x = jax.vmap(lambda a: dr.block_input(tparams, cfg, a), in_axes=1, out_axes=1)(anchor_tokens)
-    return dr.draft_hidden_train(dparams, cfg, taps, x, anchors)
+    """Block inputs for each anchor `[B, A]`, then `train_hidden`."""
+    drafter, target = DFlashDrafter(cfg, dparams), head_target(tparams)
+    x = jax.vmap(lambda a: drafter.block_input(target, a), in_axes=1, out_axes=1)(anchor_tokens)
+    return drafter.train_hidden(taps, x, anchors)
 
 
 def rel_err(actual, expected) -> float:
@@ -338,14 +347,15 @@ def test_propose_on_a_real_target_matches_reference_with_target_taps():
     cfg = drafter_config([4, None], [True, False], block_size=4, n_taps=2)
     cfg = dataclasses.replace(cfg, target_layer_ids=(0, 2))
     rng = np.random.default_rng(7)
-    target = Target(tcfg, random_target(rng, tcfg.num_layers))
-    drafter = Drafter(cfg, random_drafter(rng, cfg))
+    target = make_target(tcfg, random_target(rng, tcfg.num_layers))
+    drafter = make_drafter(cfg, random_drafter(rng, cfg))
     prompts = [list(rng.integers(0, V - 1, size=9)), list(rng.integers(0, V - 1, size=5))]
     prop = propose(target, drafter, prompts)
     assert prop.logits.shape == (2, cfg.n_drafts, V), f"proposal logits shape {prop.logits.shape}"
     for row, prompt in enumerate(prompts):
         tokens = jnp.asarray([prompt], jnp.int32)
-        target_logits, taps = dense.forward(target.params, tcfg, tokens, cfg.target_layer_ids)
+        target_h, taps = target.forward(tokens, cfg.target_layer_ids)
+        target_logits = target.logits(target_h)
         first = int(np.argmax(np.asarray(target_logits)[0, -1]))
         assert int(prop.anchor[row]) == first, f"row {row}: anchor {prop.anchor[row]} != target argmax {first}"
         _, ref_logits = reference_step(drafter.params, cfg, target.params["embed"], target.params["lm_head"],

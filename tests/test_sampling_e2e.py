@@ -26,11 +26,12 @@ import pytest
 
 import dflash_jax
 from dflash_jax import sampling as smp
-from dflash_jax import speculative as spec
-from dflash_jax.nn.dense import Target
-from dflash_jax.nn.drafter import Drafter
+from dflash_jax.decoding import speculative as spec
+from dflash_jax.decoding.common import Stats
+from dflash_jax.decoding.session import Session
+from dflash_jax.drafters.dflash import DFlashDrafter
 from dflash_jax.sampling import Sampling
-from dflash_jax.session import Session
+from dflash_jax.targets.dense import DenseTarget
 from conftest import inverted_accept_length, residual_without_q, tiny_drafter, tiny_target
 
 V = 16
@@ -59,16 +60,18 @@ CASES = [(name, proposal) for name in SAMPLINGS for proposal in smp.PROPOSALS]
 
 
 @functools.cache
-def pair() -> tuple[Target, Drafter]:
+def pair() -> tuple[DenseTarget, DFlashDrafter]:
     """(target, drafter) whose logits share a token bias (see the module docstring)."""
     base = tiny_target(0, vocab=V, layers=2, hidden=H)
     p = base.params
     bias_row = -BIAS_SLOPE * np.arange(V) / (np.sqrt(H) * p["final_norm"][0])
-    target = Target(base.config, dict(p, embed=p["embed"].at[:, 0].add(BIAS_DIM_SIZE),
+    target = DenseTarget(base.config, dict(p, embed=p["embed"].at[:, 0].add(BIAS_DIM_SIZE),
                                       lm_head=(CONTEXT_SCALE * p["lm_head"]).at[0].set(bias_row)))
     d = tiny_drafter(target, block_size=4, tap_ids=(0, 1))
-    layers = [dict(lp, wo=DRAFTER_DAMP * lp["wo"], w_down=DRAFTER_DAMP * lp["w_down"]) for lp in d.params["layers"]]
-    return target, Drafter(d.config, dict(d.params, layers=layers))
+    layers = {name: dict(lp, wo=DRAFTER_DAMP * lp["wo"], w_down=DRAFTER_DAMP * lp["w_down"])
+              for name, lp in d.params.items() if name.startswith("layers_")}
+    assert len(layers) == d.config.num_layers
+    return target, DFlashDrafter(d.config, dict(d.params, **layers))
 
 
 def tv(a, b) -> float:
@@ -92,7 +95,7 @@ def exact_joint(sampling: Sampling) -> np.ndarray:
     """P(t1, t2, t3) f64[V, V, V] under the filtered target, from one uncached forward."""
     target, _ = pair()
     seqs = np.array([PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)
-    logits = target.logits(seqs)[:, len(PROMPT) - 1:]
+    logits = target.full_logits(seqs)[:, len(PROMPT) - 1:]
     p = np.exp(np.asarray(smp.filtered_logprobs(logits, smp.row_params(sampling, len(seqs))), np.float64))
     p1, p2, p3 = p[0, 0], p[::V, 1], p[:, 2].reshape(V, V, V)
     return p1[:, None, None] * p2[:, :, None] * p3
@@ -110,7 +113,7 @@ def as_tokens(rows: list) -> np.ndarray:
     return np.asarray(rows, np.int64)
 
 
-def speculative_batch(sampling: Sampling) -> tuple[np.ndarray, dict]:
+def speculative_batch(sampling: Sampling) -> tuple[np.ndarray, Stats]:
     """(tokens [BATCH, 3], stats) of one speculative session over BATCH copies of the prompt."""
     target, drafter = pair()
     r = Session(target, drafter, [PROMPT] * BATCH, max_new_tokens=N_TOKENS, sampling=sampling,
@@ -122,8 +125,8 @@ def speculative_batch(sampling: Sampling) -> tuple[np.ndarray, dict]:
 def speculative_draws(name: str, proposal: str) -> tuple[np.ndarray, dict]:
     """(tokens [N, 3], accepted / drafted / accept_hist summed over SPEC_SEEDS)."""
     runs = [speculative_batch(dataclasses.replace(SAMPLINGS[name], seed=s, proposal=proposal)) for s in SPEC_SEEDS]
-    stats = {key: sum(st[key] for _, st in runs) for key in ("accepted", "drafted")}
-    stats["accept_hist"] = np.sum([st["accept_hist"] for _, st in runs], axis=0)
+    stats = {key: sum(getattr(st, key) for _, st in runs) for key in ("accepted", "drafted")}
+    stats["accept_hist"] = np.sum([st.accept_hist for _, st in runs], axis=0)
     return np.concatenate([t for t, _ in runs]), stats
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dflash_jax
-from dflash_jax import speculative as spec
+from dflash_jax.decoding import speculative as spec
 from conftest import tiny_drafter
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(12, 40))]
@@ -35,7 +35,7 @@ def test_greedy_speculative_equals_plain_for_block_sizes(target, plain, block_si
     drafter = tiny_drafter(target, block_size)
     out = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
     assert out.tokens == plain, f"block size {block_size}: speculative output differs from plain greedy"
-    assert out.stats["rounds"] > 0 and out.stats["acceptance_length"] >= 1.0
+    assert out.stats.rounds > 0 and out.stats.acceptance_length >= 1.0
 
 
 def test_batch_of_one_equals_plain(target, plain):
@@ -61,7 +61,7 @@ def test_injected_proposals_reach_every_acceptance_length_and_stay_exact(target,
     out = dflash_jax.Session(target, drafter, PROMPTS * 4, max_new_tokens=MAX_NEW,
                              inject=_inject(plain * 4, nd, [1] * (nd + 1))).run()
     assert out.tokens == plain * 4, "output must not depend on what was proposed"
-    hist = out.stats["accept_hist"]
+    hist = out.stats.accept_hist
     assert all(h > 0 for h in hist), f"every acceptance length 0..{nd} must occur; histogram {hist}"
 
 
@@ -74,11 +74,11 @@ def test_acceptance_length_follows_the_first_wrong_slot(target, plain, wrong_slo
     out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW,
                              inject=_inject(plain, nd, probs)).run()
     assert out.tokens == plain
-    hist = np.asarray(out.stats["accept_hist"])
+    hist = np.asarray(out.stats.accept_hist)
     accepted = nd if wrong_slot is None else wrong_slot
     # every round accepts `accepted` drafts except a last one cut short by max_new_tokens
-    assert hist[accepted] >= out.stats["rounds"] - len(PROMPTS), f"histogram {hist.tolist()}"
-    assert out.stats["acceptance_length"] == pytest.approx(tau, rel=0.25)
+    assert hist[accepted] >= out.stats.rounds - len(PROMPTS), f"histogram {hist.tolist()}"
+    assert out.stats.acceptance_length == pytest.approx(tau, rel=0.25)
 
 
 def test_stop_token_inside_an_accepted_span(target, plain):
@@ -171,10 +171,12 @@ def test_verify_cap_bounds_acceptance_but_not_the_output(target, plain):
     out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=3,
                              inject=_inject(plain, nd, [0] * nd + [1])).run()
     assert out.tokens == plain
-    hist = out.stats["accept_hist"]
+    hist = out.stats.accept_hist
     assert sum(hist[3:]) == 0 and hist[2] > 0, f"vt=3 examines at most 2 drafts; histogram {hist}"
     with pytest.raises(ValueError, match=r"verify cap must be an integer in 2\.\.8"):
         dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=9)
+    with pytest.raises(ValueError, match=r"verify_t .* plain decoding \(drafter=None\) has none"):
+        dflash_jax.generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, verify_t=3)
 
 
 def test_chunked_prefill_of_long_ragged_prompts_matches_the_uncached_forward(target):
@@ -186,7 +188,7 @@ def test_chunked_prefill_of_long_ragged_prompts_matches_the_uncached_forward(tar
     for prompt, got in zip(prompts, plain):
         seq = list(prompt)
         for _ in range(4):
-            seq.append(int(np.asarray(target.logits([seq]))[0, -1].argmax()))
+            seq.append(int(np.asarray(target.full_logits([seq]))[0, -1].argmax()))
         assert got == seq[len(prompt):], f"prompt of {len(prompt)} tokens: {got} != {seq[len(prompt):]}"
     spec_out = dflash_jax.generate(target, tiny_drafter(target, 4), prompts, max_new_tokens=4).tokens
     assert spec_out == plain
@@ -206,7 +208,7 @@ def test_plain_greedy_with_penalties_matches_a_reference_loop(target):
     got = dflash_jax.generate(target, None, [prompt], max_new_tokens=8, sampling=s).tokens[0]
     seq = list(prompt)
     for _ in range(8):
-        z = np.asarray(target.logits([seq]))[0, -1].astype(np.float64)
+        z = np.asarray(target.full_logits([seq]))[0, -1].astype(np.float64)
         counts = np.bincount(seq, minlength=z.size)
         seen = counts > 0
         z[seen] = np.where(z[seen] > 0, z[seen] / 1.8, z[seen] * 1.8)

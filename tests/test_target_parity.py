@@ -4,6 +4,7 @@ The oracle is external: transformers builds a random model from a config, saves 
 load that directory with `load_target`; logits, taps, cached forwards and greedy decoding
 must agree.
 """
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -11,7 +12,7 @@ import transformers
 
 import dflash_jax
 from dflash_jax.cache import init_kv
-from dflash_jax.nn import dense
+from dflash_jax.decoding import plain
 
 VOCAB = 97
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -55,7 +56,7 @@ def test_logits_match_transformers(pair):
     tokens = _tokens(2, 40)
     with torch.no_grad():
         ref = model(torch.tensor(tokens)).logits.numpy()
-    ours = np.asarray(target.logits(tokens))
+    ours = np.asarray(target.full_logits(tokens))
     err = np.abs(ours - ref).max() / np.abs(ref).max()
     assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
 
@@ -65,7 +66,7 @@ def test_taps_are_hidden_states_of_layer_id_plus_one(pair):
     tokens = _tokens(2, 17, seed=1)
     with torch.no_grad():
         hs = model(torch.tensor(tokens), output_hidden_states=True).hidden_states
-    _, taps = dense.forward(target.params, target.config, tokens, tap_ids=(0, 2))
+    _, taps = target.forward(jnp.asarray(tokens, jnp.int32), tap_ids=(0, 2))
     h = target.config.hidden_size
     np.testing.assert_allclose(np.asarray(taps[..., :h]), hs[1].numpy(), atol=2e-5, rtol=1e-4,
                                err_msg="tap of layer 0 must be hidden_states[1]")
@@ -84,11 +85,15 @@ def test_prefill_then_verify_blocks_equal_uncached_forward(pair):
     _, target = pair
     cfg = target.config
     tokens = _tokens(2, 48, seed=2)
-    full_logits, full_taps = (np.asarray(a) for a in dense.forward(target.params, cfg, tokens, tap_ids=(1,)))
+    full_h, full_taps = target.forward(jnp.asarray(tokens, jnp.int32), tap_ids=(1,))
+    full_logits, full_taps = np.asarray(target.logits(full_h)), np.asarray(full_taps)
     cache = init_kv(2, 64, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, np.float32)
     # ragged prefill: row 1 is a shorter prompt (right-padded); it continues from its own length
     lengths = np.array([10, 6])
-    logits, taps, cache = target.prefill(cache, tokens[:, :10], lengths, (1,))
+    h, taps, cache, pending = target.extend(cache, jnp.asarray(tokens[:, :10], jnp.int32), jnp.zeros(2, jnp.int32),
+                                            (1,))
+    cache = target.commit(cache, pending, jnp.asarray(lengths, jnp.int32))
+    logits = target.logits(h)
     for i in range(2):
         n = lengths[i]
         np.testing.assert_allclose(np.asarray(logits[i, :n]), full_logits[i, :n], atol=1e-4 * np.abs(full_logits).max())
@@ -96,7 +101,10 @@ def test_prefill_then_verify_blocks_equal_uncached_forward(pair):
     pos = lengths.copy()
     for width in range(1, 9):
         block = np.stack([tokens[i, pos[i]:pos[i] + width] for i in range(2)])
-        logits, taps, cache = target.verify(cache, block, pos, (1,))
+        h, taps, cache, pending = target.extend(cache, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
+                                                (1,))
+        cache = target.commit(cache, pending, jnp.full(2, width, jnp.int32))
+        logits = target.logits(h)
         for i in range(2):
             ref = full_logits[i, pos[i]:pos[i] + width]
             np.testing.assert_allclose(np.asarray(logits[i]), ref, atol=1e-4 * np.abs(ref).max(), rtol=0,
@@ -119,9 +127,10 @@ def test_greedy_generate_equals_transformers_generate(pair):
 def test_second_call_with_same_shapes_does_not_recompile(pair):
     _, target = pair
     dflash_jax.generate(target, None, [[1, 2, 3]], max_new_tokens=4)
-    size = dflash_jax.decode._plain._cache_size()
+    sizes = plain.start._cache_size(), plain.run._cache_size()
     dflash_jax.generate(target, None, [[4, 5]], max_new_tokens=4)
-    assert dflash_jax.decode._plain._cache_size() == size, "same static shapes must reuse the compiled program"
+    assert (plain.start._cache_size(), plain.run._cache_size()) == sizes, \
+        "same static shapes must reuse the compiled program"
 
 
 def test_stop_token_ends_row_and_is_kept(pair):
@@ -164,4 +173,4 @@ def test_bad_input_is_refused(pair, prompts, max_new, match):
 def test_logits_refuses_out_of_range_ids(pair):
     _, target = pair
     with pytest.raises(ValueError, match="out of range"):
-        target.logits([[0, VOCAB]])
+        target.full_logits([[0, VOCAB]])

@@ -2,7 +2,7 @@
 
 The reference for the training forward is the inference path itself: per block, `ingest`
 the taps of positions < anchor into a draft cache, run `draft_hidden` on `[anchor, mask,
-...]` and read rows 1..b-1 through `draft_logits`. Everything that asserts exactness runs
+...]` and read rows 1..b-1 through `harvest_logits`. Everything that asserts exactness runs
 in float32.
 """
 from __future__ import annotations
@@ -20,10 +20,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import tiny_drafter, tiny_target
 from dflash_jax import train
-from dflash_jax.checkpoint import read_drafter, write_target
 from dflash_jax.config import CheckpointError, default_target_layer_ids
-from dflash_jax.nn import dense
-from dflash_jax.nn import drafter as dr
+from dflash_jax.io.checkpoints import read_drafter, write_target
 
 F32 = dict(compute_dtype="float32")
 
@@ -38,21 +36,21 @@ def _inference_block(drafter, target, taps, tokens_row, anchor):
     t = taps.shape[0]
     noise = 10.0 * jax.random.normal(jax.random.key(0), taps.shape)
     ctx = jnp.where(jnp.arange(t)[:, None] < anchor, taps, noise)
-    cache = drafter.init_cache(1, t + drafter.config.block_size)
-    cache = dr.ingest(drafter.params, drafter.config, cache, ctx[None], jnp.zeros((1,), jnp.int32))
+    cache = drafter.init_state(1, t + drafter.config.block_size)
+    cache, _ = drafter.ingest(cache, ctx[None], jnp.zeros((1,), jnp.int32))
     cache = cache.replace(seq_len=jnp.reshape(anchor, (1,)).astype(jnp.int32))
-    x = dr.block_input(target.params, drafter.config, jnp.reshape(tokens_row[anchor], (1,)))
-    h = dr.draft_hidden(drafter.params, drafter.config, cache, x)
-    return h[0], dr.draft_logits(target.params, target.config, drafter.config, h)[0]
+    x = drafter.block_input(target, jnp.reshape(tokens_row[anchor], (1,)))
+    h = drafter.draft_hidden(cache, x)
+    return h[0], drafter.harvest_logits(target, h)[0]
 
 
 @jax.jit
 def _train_hidden(drafter, target, tokens, anchors):
-    _, taps = dense.forward(target.params, target.config, tokens, drafter.config.target_layer_ids)
+    _, taps = target.forward(tokens, drafter.config.target_layer_ids)
     b, hidden = drafter.config.block_size, target.config.hidden_size
-    x = dr.block_input(target.params, drafter.config, jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1))
+    x = drafter.block_input(target, jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1))
     x = x.reshape(*anchors.shape, b, hidden)
-    return taps, dr.draft_hidden_train(drafter.params, drafter.config, taps, x, anchors)
+    return taps, drafter.train_hidden(taps, x, anchors)
 
 
 @pytest.mark.parametrize("windows, causal", [((None, None), (False, False)), ((3, None), (True, False))])
@@ -102,7 +100,7 @@ def test_drafter_loss_and_metrics_equal_a_per_block_inference_reference(target, 
                                         weights=train.loss_weights(4, gamma), dtype=jnp.float32, labels=labels))
     loss, metrics = loss_fn(drafter.params, target.params, jnp.asarray(tokens), jnp.asarray(anchors))
     taps, _ = _train_hidden(drafter, target, jnp.asarray(tokens), jnp.asarray(anchors))
-    target_choice = np.asarray(jnp.argmax(target.logits(tokens), axis=-1))
+    target_choice = np.asarray(jnp.argmax(target.full_logits(tokens), axis=-1))
     w = np.exp(-np.arange(3) / gamma)
     total, lengths, agree = 0.0, [], []
     for row in range(2):
@@ -150,8 +148,8 @@ def test_init_drafter_copies_target_shapes_and_uses_the_reference_tap_rule(targe
         (t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size)
     assert cfg.target_layer_ids == default_target_layer_ids(t.num_layers, 2)
     assert cfg.layer_window == (None, None) and cfg.causal == (False, False), "full attention, bidirectional block"
-    assert bool(jnp.all(params["layers"][0]["q_norm"] == 1)), "norm weights start at one"
-    std = float(jnp.std(params["layers"][1]["w_gate_up"]))
+    assert bool(jnp.all(params["layers_0"]["q_norm"] == 1)), "norm weights start at one"
+    std = float(jnp.std(params["layers_1"]["w_gate_up"]))
     assert 0.015 < std < 0.025, f"matrices start N(0, 0.02); std {std}"
     with pytest.raises(CheckpointError, match="mask_token_id 64 is outside"):
         train.init_drafter(target.config, num_layers=1, block_size=8, mask_token_id=64)
@@ -186,7 +184,8 @@ def test_training_steps_reduce_the_loss_on_a_repeated_batch(trained):
 
 
 def test_exported_drafter_reads_back_with_read_drafter(trained):
-    cfg, params = read_drafter(trained["out"], trained["target"].config, dtype="float32")
+    drafter = read_drafter(trained["out"], trained["target"].config, dtype="float32")
+    cfg, params = drafter.config, drafter.params
     want = trained["cfg"]
     for name in ("block_size", "mask_token_id", "target_layer_ids", "layer_window", "causal", "harvest", "num_layers"):
         assert getattr(cfg, name) == getattr(want, name), f"{name}: {getattr(cfg, name)} != {getattr(want, name)}"
@@ -240,7 +239,7 @@ def _tokenizer(specials):
 def _target_dir(path, specials):
     tok = _tokenizer(specials)
     target = tiny_target(seed=7, vocab=tok.get_vocab_size())
-    write_target(path, target.config, target.params, dtype="float32")
+    write_target(path, target, dtype="float32")
     tok.save(str(path / "tokenizer.json"))
     return target
 
@@ -267,7 +266,7 @@ def test_cli_train_drafter_tokenizes_trains_and_exports(tmp_path, capsys):
     assert "acc-len" in captured.err, "the progress line reports the acceptance-length estimate"
     log = json.loads((out / "train_log.json").read_text())
     assert log["train_config"]["labels"] == "target", "--labels reaches the TrainConfig"
-    cfg, _ = read_drafter(out, target.config)
+    cfg = read_drafter(out, target.config).config
     assert cfg.mask_token_id == 1, "the default mask token is the tokenizer's <|mask|>"
     assert cfg.block_size == 4 and cfg.num_layers == 1 and cfg.target_layer_ids == (target.config.num_layers // 2,)
 

@@ -45,7 +45,7 @@ def evaluate(demo, prompts: list, new: int, block_size: int | None) -> dict:
         n = len(plain.tokens[0])
         rows.append({"file": p["file"], "prompt_tokens": len(x), "new_tokens": n,
                      "identical": plain.tokens[0] == fast.tokens[0],
-                     "acceptance_length": fast.stats["acceptance_length"], "rounds": fast.stats["rounds"],
+                     "acceptance_length": fast.stats.acceptance_length, "rounds": fast.stats.rounds,
                      "plain_tokens_per_s": n / plain_s, "spec_tokens_per_s": n / spec_s,
                      "stopped_at_eos": bool(set(plain.tokens[0]) & set(stops))})
     total_new = sum(r["new_tokens"] for r in rows)

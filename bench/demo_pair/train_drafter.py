@@ -25,8 +25,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from dflash_jax import train  # noqa: E402
-from dflash_jax.checkpoint import read_target  # noqa: E402
-from dflash_jax.nn.dense import Target  # noqa: E402
+from dflash_jax.io.checkpoints import read_target  # noqa: E402
 
 MAX_PARAMS = 3_000_000
 BLOCK_SIZE = 16
@@ -58,8 +57,8 @@ def main(argv=None) -> None:
                         help="stop training after this many seconds (the schedule still spans --steps)")
     args = parser.parse_args(argv)
 
-    cfg, params = read_target(args.target, dtype=args.dtype)
-    target = Target(config=cfg, params=params)
+    target = read_target(args.target, dtype=args.dtype)
+    cfg = target.config
     mask_id = Tokenizer.from_file(str(args.target / "tokenizer.json")).token_to_id(MASK_TOKEN)
     if mask_id is None:
         raise ValueError(f"{args.target / 'tokenizer.json'} has no {MASK_TOKEN} token")

@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from dflash_jax import train  # noqa: E402
-from dflash_jax.checkpoint import write_target  # noqa: E402
+from dflash_jax.io.checkpoints import make_target, write_target  # noqa: E402
 from dflash_jax.config import RopeConfig, TargetConfig, target_to_hf_config  # noqa: E402
 
 MAX_PARAMS = 8_000_000
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     evaluation = train.evaluate_target(cfg, params, heldout, seq_len=args.seq_len, batch_size=args.batch_size,
                                        n_batches=args.eval_batches, compute_dtype=args.dtype)
 
-    write_target(args.out, cfg, params, dtype="bfloat16")
+    write_target(args.out, make_target(cfg, params), dtype="bfloat16")
     for name in TOKENIZER_FILES:
         shutil.copy(args.data / name, args.out / name)
     steady = history[-1]["tokens_per_s"] / (args.batch_size * args.seq_len)

@@ -1,10 +1,11 @@
 """Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU.
 
-All functions are pure over arrays; weights are stored `[in, out]` (converted in
-`checkpoint.py`), so projections are plain `x @ W`.
+All functions are pure over arrays; weights are stored `[in, out]` (converted by the name
+maps in `io/names.py`), so projections are plain `x @ W`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -13,6 +14,16 @@ import numpy as np
 
 from dflash_jax.config import RopeConfig
 from pallas_kernels.windowed_attention import block_attention
+
+INIT_STD = 0.02
+"""Standard deviation of fresh weights: transformers' `initializer_range` for Qwen3 / Llama."""
+
+
+def init_module(module_cls, cfg, seed: int, *args) -> dict:
+    """`module_cls(cfg).init(key(seed), *args)["params"]`, traced with the default rope of the same theta:
+    parameters do not depend on rope scaling, so shapes stay readable for any rope the census takes."""
+    cfg = dataclasses.replace(cfg, rope=RopeConfig(cfg.rope.theta))
+    return module_cls(cfg).init(jax.random.key(seed), *args)["params"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -32,6 +43,9 @@ def rope_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: i
     if rope.rope_type == "default":
         return inv_freq.astype(np.float32), 1.0
     orig = rope.get("original_max_position_embeddings") or max_position_embeddings
+    if not orig:
+        raise ValueError(f"rope type {rope.rope_type!r} needs original_max_position_embeddings (in the rope "
+                         "scaling parameters or the config's max_position_embeddings); neither is set")
     if rope.rope_type == "llama3":
         factor = rope.get("factor")
         low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
@@ -117,6 +131,8 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
 
 
 __all__ = [
+    "INIT_STD",
+    "init_module",
     "apply_rope",
     "block_attention",
     "masked_attention",

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import policy
 from dflash_jax import sampling as smp
-from dflash_jax import speculative as spec
-from dflash_jax.decode import Result, check_capacity, pack_prompts, stop_array, to_lists
-from dflash_jax.nn.dense import Target
-from dflash_jax.nn.drafter import Drafter
+from dflash_jax.config import check_fits_target, policy
+from dflash_jax.decoding import speculative as spec
+from dflash_jax.decoding.common import Result, Stats, check_capacity, make_stats, pack_prompts, stop_array, to_lists
+from dflash_jax.drafters.base import Drafter
+from dflash_jax.targets.base import Target
 
 
 @dataclasses.dataclass
@@ -31,22 +31,6 @@ class Burst:
     drafted: int
     accepted: int
     wall_time_s: float
-
-
-def _stats_dict(st: spec.SpecStats) -> dict:
-    st = jax.device_get(st)
-    rounds, committed = int(st.rounds.sum()), int(st.committed.sum())
-    hist = st.accept_hist.sum(axis=0)
-    return {
-        "rounds": rounds,
-        "drafted": int(st.drafted.sum()),
-        "accepted": int(st.accepted.sum()),
-        "committed": committed,
-        "acceptance_length": committed / max(rounds, 1),
-        "accept_hist": hist.tolist(),
-        "slot_accepted": np.cumsum(hist[::-1])[::-1][1:].tolist(),
-        "per_row": {"rounds": st.rounds.tolist(), "accepted": st.accepted.tolist(), "committed": st.committed.tolist()},
-    }
 
 
 class Session:
@@ -61,11 +45,11 @@ class Session:
     def __init__(self, target: Target, drafter: Drafter, prompts, *, max_new_tokens: int, stop_tokens=(),
                  sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
                  impl: Optional[str] = None, inject: Optional[spec.Injected] = None, verify_t: Optional[int] = None):
-        spec.check_drafter(target, drafter)
+        check_fits_target(drafter.config, target.config)
         impl = policy.attention_impl(impl)
         smp.check_speculative(sampling)
         p = pack_prompts(prompts, target.config.vocab_size)
-        nd = drafter.config.n_drafts
+        nd = drafter.n_drafts
         cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, nd + 1, capacity)
         rows = sampling if isinstance(sampling, Sequence) else [sampling]
         all_greedy = all(s.greedy for s in rows)
@@ -80,12 +64,12 @@ class Session:
         self.stop_tokens = stop_array(stop_tokens, target.config.vocab_size)
         t0 = time.perf_counter()
         self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                                target.init_cache(p.batch, cap), drafter.init_cache(p.batch, cap),
+                                target.init_state(p.batch, cap), drafter.init_state(p.batch, cap),
                                 smp.row_params(sampling, p.batch), self.stop_tokens, inject)
         jax.block_until_ready(self.state)
         self._n_seen = np.zeros(p.batch, np.int64)
         self.prefill_time_s = time.perf_counter() - t0
-        self.wall_time_s = 0.0
+        self.decode_time_s = 0.0
 
     @property
     def finished(self) -> bool:
@@ -94,12 +78,14 @@ class Session:
     @property
     def position(self) -> np.ndarray:
         """Tokens held per row (prompt + generated tokens committed to the cache)."""
-        return np.asarray(jax.device_get(self.state.cache.seq_len))
+        return np.asarray(jax.device_get(self.state.target_state.seq_len))
 
     @property
-    def stats(self) -> dict:
-        return _stats_dict(self.state.stats) | {"wall_time_s": self.wall_time_s,
-                                                "prefill_time_s": self.prefill_time_s}
+    def stats(self) -> Stats:
+        """Counts so far; `decode_time_s` sums the bursts, `prefill_time_s` is the constructor's."""
+        st = self.state.stats
+        return make_stats(self.state.n_out, st.rounds, st.accepted, st.committed, st.drafted, st.accept_hist,
+                          self.prefill_time_s, self.decode_time_s)
 
     def burst(self, n: int) -> Burst:
         """Return up to `n` more tokens per row (the first burst's include the token chosen at
@@ -113,7 +99,7 @@ class Session:
         self.state = spec.run(self.loop, self.target, self.drafter, s, self.stop_tokens)
         out, n_out, after = jax.device_get((self.state.out, self.state.n_out, self.state.stats))
         dt = time.perf_counter() - t0
-        self.wall_time_s += dt
+        self.decode_time_s += dt
         tokens = [out[i, int(self._n_seen[i]): int(n_out[i])].tolist() for i in range(out.shape[0])]
         self._n_seen = np.asarray(n_out).copy()
         return Burst(tokens, int((after.rounds - before.rounds).sum()), int((after.drafted - before.drafted).sum()),
@@ -123,7 +109,4 @@ class Session:
         """Run to the end; the tokens of every row from the start."""
         self.burst(int(self.loop.max_new_tokens))
         out, n_out = jax.device_get((self.state.out, self.state.n_out))
-        stats = self.stats
-        total = int(np.asarray(n_out).sum())
-        stats |= {"generated": total, "tokens_per_s": total / max(self.wall_time_s + self.prefill_time_s, 1e-9)}
-        return Result(to_lists(out, n_out), stats)
+        return Result(to_lists(out, n_out), self.stats)

@@ -1,4 +1,4 @@
-"""Host-side policy (DESIGN.md §7): explicit keyword > `DFLASH_*` environment variable > census.
+"""Host-side policy (docs/architecture.md, "Policy"): explicit keyword > `DFLASH_*` environment variable > census.
 
 This is the only module that reads the environment. Unknown values are refused with a
 message naming the setting, the value and the choices; an empty variable counts as unset.
@@ -74,7 +74,7 @@ def verify_cap(kwarg: Optional[int], n_drafts: int, env: Optional[Mapping[str, s
 def clamp_vt(m_plus_2, cap: int):
     """Ladder window after a round that accepted m: clamp m + 2 to [min(3, cap), cap].
 
-    The original clamps to [3, cap] and panics when cap < 3 (DESIGN.md §9); works on Python
+    The original clamps to [3, cap] and panics when cap < 3 (docs/architecture.md, "Known defects of the original, fixed here"); works on Python
     ints and on integer arrays (inside jit).
     """
     if cap < 1:

@@ -1,0 +1,99 @@
+"""Host-side pieces every census shares: the refusal type, dtype names, small readers, shape checks.
+
+Everything under `config/` runs once on the host, before tracing; its dataclasses are
+frozen and hashable so they can be static arguments of jitted functions.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot run: the message names the problem and the valid choices."""
+
+
+
+class AttentionWidths:
+    """Projection widths of a config with `num_heads`, `num_kv_heads` and `head_dim`."""
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dtype_name(dtype) -> str:
+    """Normalise 'bfloat16' / 'bf16' / jnp.bfloat16 / np.float32 ... to one of DTYPES."""
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
+               "fp32": "float32", "f32": "float32", "float": "float32"}
+    if isinstance(dtype, str):
+        name = aliases.get(dtype.lower(), dtype.lower())
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = repr(dtype)
+    if name not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; choices: {', '.join(DTYPES)}")
+    return name
+
+
+def require(d: Mapping, key: str, what: str):
+    if d.get(key) is None:
+        raise CheckpointError(f"{what} config.json has no {key!r}")
+    return d[key]
+
+
+def positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"{name} {value!r}: expected a positive integer")
+    return value
+
+
+def head_dim(d: Mapping, hidden: int, heads: int) -> int:
+    """`head_dim` when given; otherwise hidden_size // num_attention_heads (transformers' rule)."""
+    if d.get("head_dim") is not None:
+        return positive_int(d["head_dim"], "head_dim")
+    if hidden % heads:
+        raise CheckpointError(
+            f"no head_dim and hidden_size {hidden} is not divisible by num_attention_heads {heads}"
+        )
+    return hidden // heads
+
+
+def kv_heads(d: Mapping, heads: int) -> int:
+    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads")
+    if heads % kv:
+        raise CheckpointError(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} (GQA groups)"
+        )
+    return kv
+
+
+def _fmt_shape(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def check_tensor_shapes(expected: Mapping, found: Mapping, where: str) -> list:
+    """Refuse missing tensors and shape mismatches; return the names `found` has beyond `expected`."""
+    missing = [n for n in expected if n not in found]
+    if missing:
+        listed = "; ".join(f"{n} (expected {_fmt_shape(expected[n])})" for n in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise CheckpointError(f"{where}: {len(missing)} missing tensor(s): {listed}{more}")
+    wrong = [n for n in expected if tuple(found[n]) != tuple(expected[n])]
+    if wrong:
+        listed = "; ".join(
+            f"{n} has shape {_fmt_shape(found[n])}, expected {_fmt_shape(expected[n])}" for n in wrong[:8]
+        )
+        raise CheckpointError(f"{where}: shape mismatch: {listed}")
+    return sorted(n for n in found if n not in expected)

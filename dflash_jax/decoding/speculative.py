@@ -1,0 +1,225 @@
+"""The speculative round and its on-device loop (docs/architecture.md, "The round").
+
+One round, for every row at once, through the Target and Drafter interfaces only:
+`drafter.propose` -> `target.extend` of `[anchor, drafts]` at `seq_len` -> accept the longest
+agreeing prefix (greedy) or rejection-sample (T > 0), capped by the proposal's verify width ->
+append the kept tokens (cut at a stop token or the row's limit) -> `target.commit` (the only
+rollback) -> `drafter.ingest` of the block's taps and `drafter.commit` of the kept ones. The
+bonus token becomes the next anchor. `Loop.run` is a `lax.while_loop` of rounds.
+
+Nothing here knows a family: harvest, heads and verify width are the drafter's; the state
+of each model is opaque to the loop but for its `seq_len`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax import sampling as smp
+from dflash_jax.decoding.common import append_tokens, choose, open_output, prefill
+from dflash_jax.drafters.base import Drafter, Proposal, ProposeSettings
+from dflash_jax.targets.base import Target
+
+
+@struct.dataclass
+class SpecStats:
+    """Per-row counters. rounds: rounds run; drafted: drafts examined (sum of verify_width - 1);
+    accepted: drafts accepted; committed: tokens committed by rounds; accept_hist:
+    int32[B, nd + 1], how many rounds accepted exactly m drafts."""
+
+    rounds: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    committed: jax.Array
+    accept_hist: jax.Array
+
+
+STREAM_INJECT = 2
+"""`rng_key` stream for drawing the first wrong slot of injected proposals (apart from
+`sampling.STREAM_DRAFT` and `sampling.STREAM_TARGET`)."""
+
+
+@struct.dataclass
+class Injected:
+    """Proposals injected in place of the drafter's (tests and acceptance-controlled benchmarks).
+
+    reference: int32[B, L] the greedy continuation the drafts are copied from (L >= limit + nd).
+    first_wrong: float32[nd + 1] probabilities of the first wrong slot k (k = nd: none wrong);
+      a wrong slot holds `(reference + 1) % V`. The drafter still runs, so its cost is paid.
+    """
+
+    reference: jax.Array
+    first_wrong: jax.Array
+
+
+@struct.dataclass
+class SpecState:
+    """Carry of speculative decoding.
+
+    out: int32[B, N + nd + 1] generated tokens (the first n_out[b] are real).
+    n_out: int32[B] tokens generated so far per row.
+    anchor: int32[B] last generated token, not yet in the target state (it sits at its seq_len).
+    done: bool[B] row finished (stop token or max_new_tokens).
+    limit: int32[B] the row pauses when n_out reaches it (a burst's end or max_new_tokens).
+    max_new: int32[B] the row finishes when n_out reaches it.
+    target_state: the target's state; its seq_len[b] positions are committed.
+    drafter_state: the drafter's state; its seq_len equals the target's (taps of committed tokens).
+    counter: int32[B] rounds run by the row: the counter of its random stream.
+    rp: per-row sampling parameters.
+    stats: per-row counters.
+    inject: injected proposals, or None.
+    """
+
+    out: jax.Array
+    n_out: jax.Array
+    anchor: jax.Array
+    done: jax.Array
+    limit: jax.Array
+    max_new: jax.Array
+    target_state: object
+    drafter_state: object
+    counter: jax.Array
+    rp: smp.RowParams
+    stats: SpecStats
+    inject: Optional[Injected] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """Static settings of speculative decoding; hashable, one compiled program per setting.
+
+    max_new_tokens: output buffer length. chunk: prefill chunk. all_greedy: every row has
+    temperature 0 (accept by argmax comparison, no distributions materialised).
+    proposal: 'argmax' (one-hot q) or 'sample' (each slot drawn from the filtered draft
+    distribution, dense q). impl: attention implementation ('xla' | 'pallas').
+    verify_cap: the largest verify width (anchor plus drafts examined per round, 2..nd + 1);
+    it never changes the output, only how many drafts may be accepted.
+    """
+
+    max_new_tokens: int
+    chunk: int
+    all_greedy: bool
+    proposal: str
+    impl: str
+    verify_cap: int
+
+    @property
+    def settings(self) -> ProposeSettings:
+        return ProposeSettings(self.all_greedy, self.proposal, self.impl, self.verify_cap)
+
+    def start(self, target: Target, drafter: Drafter, tokens, lengths, tstate, dstate, rp, stop_tokens,
+              inject=None) -> SpecState:
+        """Chunked prefill whose taps fill the drafter's context, then the first token from the target."""
+        h_last, tstate, dstate = prefill(target, tstate, tokens, lengths, self.chunk, drafter, dstate, self.impl)
+        keys = smp.rng_key(rp.seed, jnp.zeros(tokens.shape[:1], jnp.int32), smp.STREAM_TARGET)
+        first = choose(target.logits(h_last), rp, keys, self.all_greedy)
+        return self.begin(drafter, first, tstate, dstate, rp, stop_tokens, inject)
+
+    def begin(self, drafter: Drafter, first: jax.Array, tstate, dstate, rp, stop_tokens, inject=None) -> SpecState:
+        """The carry after the prompt: both states hold it, `first` is the token chosen after it."""
+        b, nd = first.shape[0], drafter.n_drafts
+        out, n_out, done, max_new = open_output(first, self.max_new_tokens, nd + 1, stop_tokens)
+        zeros = jnp.zeros((b,), jnp.int32)
+        stats = SpecStats(zeros, zeros, zeros, zeros, jnp.zeros((b, nd + 1), jnp.int32))
+        return SpecState(out=out, n_out=n_out, anchor=first, done=done, limit=max_new, max_new=max_new,
+                         target_state=tstate, drafter_state=dstate, counter=zeros + 1, rp=rp, stats=stats,
+                         inject=inject)
+
+    def propose(self, target: Target, drafter: Drafter, s: SpecState) -> Proposal:
+        """The drafter's proposal for this round (with injected drafts in their place when given)."""
+        prop = drafter.propose(s.drafter_state, target, s.anchor, s.rp, s.counter, self.settings)
+        if s.inject is not None:
+            prop = prop.replace(drafts=self._inject(s, prop.drafts, target.config.vocab_size))
+        return prop
+
+    @staticmethod
+    def _inject(s: SpecState, drafts: jax.Array, vocab: int) -> jax.Array:
+        """Reference tokens with the first wrong slot drawn from `first_wrong`. The wrong token is
+        the drafter's own where it differs from the reference, so the drafter's output is used and
+        XLA cannot drop the drafter as dead code (benchmarks must pay for it)."""
+        b, nd = drafts.shape
+        idx = s.n_out[:, None] + jnp.arange(nd)[None, :]
+        ref = jnp.take_along_axis(s.inject.reference, idx, axis=1)
+        keys = smp.rng_key(s.rp.seed, s.counter, STREAM_INJECT)
+        # categorical, not random.choice: choice's searchsorted is a loop, a nested while on the
+        # GPU that synchronised with the host every round (0.2-0.3 ms a round on the H200)
+        log_p = jnp.log(s.inject.first_wrong)
+        wrong = jax.vmap(lambda k: jax.random.categorical(k, log_p))(keys)
+        bad = jnp.where(drafts != ref, drafts, (ref + 1) % vocab)
+        return jnp.where(jnp.arange(nd)[None, :] == wrong[:, None], bad, ref).astype(jnp.int32)
+
+    def accept(self, s: SpecState, tlogits: jax.Array, prop: Proposal):
+        """`(m, next)`: accepted drafts (at most verify_width - 1) and the correction/bonus token."""
+        if self.all_greedy:
+            return smp.greedy_accept(jnp.argmax(tlogits, -1).astype(jnp.int32), prop.drafts, prop.verify_width)
+        keys = smp.rng_key(s.rp.seed, s.counter, smp.STREAM_TARGET)
+        return smp.speculative_accept(smp.filtered_logprobs(tlogits, s.rp), prop.drafts, prop.q,
+                                      prop.verify_width, keys)
+
+    def verify(self, target: Target, drafter: Drafter, s: SpecState, prop: Proposal):
+        """The target on `[anchor, drafts]` at `seq_len`, then accept: `(tstate, pending, m, next, taps)`;
+        nothing is committed yet."""
+        block = jnp.concatenate([s.anchor[:, None], prop.drafts], axis=1)
+        h, taps, tstate, pending = target.extend(s.target_state, block, s.target_state.seq_len, drafter.tap_ids,
+                                                 self.impl)
+        m, nxt = self.accept(s, target.logits(h), prop)
+        return tstate, pending, m, nxt, taps
+
+    @staticmethod
+    def advance(target: Target, drafter: Drafter, s: SpecState, prop: Proposal, tstate, pending, m, nxt, taps,
+                stop_tokens) -> SpecState:
+        """Append `anchor + m drafts` and the next token (cut at a stop token or the row's limit),
+        commit the kept positions in both models, count."""
+        nd = drafter.n_drafts
+        active = ~s.done
+        slots = jnp.arange(nd + 1)[None, :]
+        emitted = jnp.where(slots == m[:, None], nxt[:, None], jnp.pad(prop.drafts, ((0, 0), (0, 1))))
+        out, n_out, kept, stopped = append_tokens(s.out, s.n_out, emitted, m + 1, s.done, stop_tokens, s.limit)
+        done = s.done | stopped | (n_out >= s.max_new)
+        anchor = jnp.where(kept > 0, jnp.take_along_axis(emitted, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0], s.anchor)
+        tstate = target.commit(tstate, pending, kept)
+        dstate, dpending = drafter.ingest(s.drafter_state, taps, s.target_state.seq_len)
+        dstate = drafter.commit(dstate, dpending, kept)
+
+        a = active.astype(jnp.int32)
+        st = s.stats
+        stats = SpecStats(rounds=st.rounds + a, drafted=st.drafted + a * (prop.verify_width - 1),
+                          accepted=st.accepted + a * m, committed=st.committed + kept,
+                          accept_hist=st.accept_hist + a[:, None] * (slots == m[:, None]))
+        return s.replace(out=out, n_out=n_out, anchor=anchor, done=done, target_state=tstate, drafter_state=dstate,
+                         counter=s.counter + a, stats=stats)
+
+    def round(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
+        """Propose -> verify -> accept -> append -> commit (roll back) -> ingest."""
+        prop = self.propose(target, drafter, s)
+        tstate, pending, m, nxt, taps = self.verify(target, drafter, s, prop)
+        return self.advance(target, drafter, s, prop, tstate, pending, m, nxt, taps, stop_tokens)
+
+    def run(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
+        """Rounds until every row is done or has reached its limit."""
+
+        def cond(s):
+            return jnp.any(~s.done & (s.n_out < s.limit))
+
+        def body(s):
+            paused = s.done | (s.n_out >= s.limit)
+            r = self.round(target, drafter, s.replace(done=paused), stop_tokens)
+            return r.replace(done=s.done | (r.done & ~paused))
+
+        return jax.lax.while_loop(cond, body, s)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(5, 6))
+def start(loop: Loop, target, drafter, tokens, lengths, tstate, dstate, rp, stop_tokens, inject):
+    """Prefill and first token; the empty states are donated (no second copy of them)."""
+    return loop.start(target, drafter, tokens, lengths, tstate, dstate, rp, stop_tokens, inject)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def run(loop: Loop, target, drafter, state: SpecState, stop_tokens):
+    return loop.run(target, drafter, state, stop_tokens)

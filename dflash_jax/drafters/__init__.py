@@ -1,0 +1,1 @@
+"""Drafter families behind the Drafter interface (`base`): DFlash (`dflash`, `dflash_names`)."""

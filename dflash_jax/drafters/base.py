@@ -1,0 +1,91 @@
+"""The Drafter interface: what the speculative round may ask of a drafter (docs/architecture.md).
+
+A drafter family is a frozen config (static) plus a parameter pytree, applied purely through
+its Flax module. It reads the target only through the Target interface (`embed`, `logits`)
+and the taps the target's `extend` returns. Its state is a pytree with `seq_len: int32[B]`
+(context positions held per row); the rest belongs to the family.
+
+The family owns its harvest (which block rows are drafts), its heads, and the verify width
+it wants each round (`Proposal.verify_width`): the round checks at most `verify_width - 1`
+drafts of each row, and never looks at the family's state.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Optional
+
+import jax
+from flax import struct
+
+from dflash_jax import sampling as smp
+from dflash_jax.targets.base import Target
+
+
+@struct.dataclass
+class Proposal:
+    """One round's proposal.
+
+    drafts: int32[B, nd] proposed tokens, slot k verified at offset k + 1 after the anchor.
+    q: the proposal distribution (`sampling.OneHotQ`, `DenseQ` or `SparseQ`) for rejection sampling.
+    verify_width: int32[B] anchor plus drafts the target checks this round (2..nd + 1).
+    logits: float32[B, nd, V] the harvested rows' logits where the family has them (inspection).
+    """
+
+    drafts: jax.Array
+    q: Any
+    verify_width: jax.Array
+    logits: Optional[jax.Array] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeSettings:
+    """Static settings of a round's proposal.
+
+    greedy: every row has temperature 0. proposal: 'argmax' (one-hot q) or 'sample' (slots
+    drawn from the filtered draft distribution). impl: attention implementation ('xla' |
+    'pallas'). verify_cap: the largest verify width (anchor + drafts) a round may use.
+    """
+
+    greedy: bool
+    proposal: str
+    impl: str
+    verify_cap: int
+
+
+class Drafter(struct.PyTreeNode, abc.ABC):
+    """A drafter: `config` (static, a census `DrafterConfig`) and `params` (a plain pytree)."""
+
+    config: Any = struct.field(pytree_node=False)
+    params: dict
+
+    @property
+    def n_drafts(self) -> int:
+        """Drafts per round, nd (the family's harvest decides it)."""
+        return self.config.n_drafts
+
+    @property
+    def tap_ids(self) -> tuple:
+        """The target layers whose outputs the drafter reads (`Target.extend`'s `tap_ids`)."""
+        return tuple(self.config.target_layer_ids)
+
+    @abc.abstractmethod
+    def init_state(self, batch: int, capacity: int) -> Any:
+        """An empty drafter state (`seq_len` 0), every leaf a distinct buffer: the loops donate it."""
+
+    @abc.abstractmethod
+    def ingest(self, state, taps: jax.Array, start: jax.Array):
+        """Context from the target: taps `[B, W, n_taps*H]` of positions `start[b] + i`.
+
+        Returns `(state, pending)`; `state.seq_len` is not moved until `commit`."""
+
+    @abc.abstractmethod
+    def propose(self, state, target: Target, anchor: jax.Array, rp: smp.RowParams, counter: jax.Array,
+                settings: ProposeSettings) -> Proposal:
+        """Draft one block after `anchor int32[B]` (the token at `state.seq_len`).
+
+        `rp` are the rows' sampling parameters and `counter` their random-stream counters."""
+
+    @abc.abstractmethod
+    def commit(self, state, pending, kept: jax.Array):
+        """Keep the first `kept[b]` positions of the last `ingest` (0 keeps none): the only rollback."""

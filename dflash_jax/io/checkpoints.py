@@ -1,0 +1,233 @@
+"""Each family's checkpoints: which module and name map a config selects, the tensor census,
+loading into a Target or Drafter, and writing back what transformers (or the reference) reads.
+
+A family is registered once below with its interface class, its module's shapes and its
+Hugging Face name map; everything else is derived from those three.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Callable, Mapping, Optional
+
+from dflash_jax.config import (
+    FAMILY_NAMES,
+    CheckpointError,
+    DrafterConfig,
+    TargetConfig,
+    check_tensor_shapes,
+    drafter_to_hf_config,
+    dtype_name,
+    is_ignorable_target_tensor,
+    target_config_from_hf,
+    target_to_hf_config,
+)
+from dflash_jax.config import drafter_census as config_drafter_census
+from dflash_jax.config.drafters import CONFIDENCE_TENSORS, MARKOV_TENSORS, SELECTOR_TENSORS
+from dflash_jax.drafters import dflash, dflash_names
+from dflash_jax.drafters.base import Drafter
+from dflash_jax.io import names
+from dflash_jax.io.safetensors import (
+    load_dtype,
+    read_config,
+    tensor_index,
+    tensor_reader,
+    write_config,
+    write_tensors,
+)
+from dflash_jax.targets import dense, dense_names
+from dflash_jax.targets.base import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One family: its interface class, `shapes(cfg)` (the module's params as ShapeDtypeStructs),
+    `name_map(cfg)` (Hugging Face names) and `init(cfg, seed)` (fresh float32 params)."""
+
+    cls: type
+    shapes: Callable
+    name_map: Callable
+    init: Callable
+
+    def param_shapes(self, cfg) -> dict:
+        """The params pytree of `cfg` with shape tuples as leaves."""
+        return names.shape_tree(self.shapes(cfg))
+
+    def hf_shapes(self, cfg) -> dict:
+        """Hugging Face name -> shape a checkpoint of `cfg` holds."""
+        return names.hf_shapes(self.name_map(cfg), self.param_shapes(cfg))
+
+    def check(self, cfg, params) -> None:
+        """Refuse `params` whose tree or shapes differ from the module's, naming the leaves."""
+        what = f"{FAMILY_NAMES[cfg.family]} drafter" if isinstance(cfg, DrafterConfig) else "target"
+        names.check_params(self.param_shapes(cfg), params, what)
+
+    def make(self, cfg, params):
+        """The interface object, after checking `params` against the module's shapes."""
+        self.check(cfg, params)
+        return self.cls(cfg, params)
+
+    def read(self, cfg, infos: Mapping, dtype: str):
+        """The interface object over the checkpoint's tensors `infos`, read one at a time in `dtype`."""
+        with tensor_reader(infos, dtype) as get:
+            return self.make(cfg, names.load_params(self.name_map(cfg), get))
+
+    def write(self, path, model, config: Mapping, dtype: str, shard_bytes: Optional[int]) -> None:
+        """`config.json` and the tensors of `model` (a Target or Drafter of this family) under `path`."""
+        self.check(model.config, model.params)
+        path = os.fspath(path)
+        write_config(path, config)
+        write_tensors(path, names.hf_tensors(self.name_map(model.config), model.params, dtype), shard_bytes)
+
+
+_DENSE = Family(dense.DenseTarget, dense.param_shapes, dense_names.name_map, dense.init_params)
+TARGET_FAMILIES = {"qwen3": _DENSE, "llama": _DENSE}
+"""Target families by `TargetConfig.arch`."""
+DRAFTER_FAMILIES = {"dflash": Family(dflash.DFlashDrafter, dflash.param_shapes, dflash_names.name_map,
+                                     dflash.init_params)}
+"""Drafter families that run, by `DrafterConfig.family` (the census also recognises DSpark and DFlash2)."""
+
+
+def target_family(cfg: TargetConfig) -> Family:
+    return TARGET_FAMILIES[cfg.arch]
+
+
+def drafter_family(cfg: DrafterConfig) -> Family:
+    if cfg.family not in DRAFTER_FAMILIES:
+        raise CheckpointError(unsupported_family_message(cfg))
+    return DRAFTER_FAMILIES[cfg.family]
+
+
+def make_target(cfg: TargetConfig, params) -> Target:
+    """The Target of `cfg`'s family over `params` (checked against the module's shapes)."""
+    return target_family(cfg).make(cfg, params)
+
+
+def make_drafter(cfg: DrafterConfig, params) -> Drafter:
+    """The Drafter of `cfg`'s family over `params` (checked against the module's shapes)."""
+    return drafter_family(cfg).make(cfg, params)
+
+
+# ---------------------------------------------------------------------------------------
+# Target.
+
+
+def target_tensor_shapes(cfg: TargetConfig) -> dict:
+    """Hugging Face tensor name -> shape (`[out, in]`) that a checkpoint of `cfg` must hold."""
+    return target_family(cfg).hf_shapes(cfg)
+
+
+def inspect_target(path) -> tuple:
+    """(TargetConfig, name -> TensorInfo) after checking every tensor name and shape; reads no weights."""
+    cfg = target_config_from_hf(read_config(path))
+    infos = tensor_index(path)
+    found = {n: i.shape for n, i in infos.items() if not is_ignorable_target_tensor(n, cfg)}
+    extra = check_tensor_shapes(target_tensor_shapes(cfg), found, f"{path}")
+    if extra:
+        raise CheckpointError(
+            f"{path}: unexpected tensor(s) {extra[:8]}: not part of a {cfg.arch} target with this config"
+        )
+    return cfg, infos
+
+
+def read_target(path, dtype=None) -> Target:
+    """A Qwen3ForCausalLM / LlamaForCausalLM directory as a Target.
+
+    dtype None keeps the checkpoint's dtype (its config's, else the embedding's); params are
+    converted tensor by tensor and `config.dtype` records the dtype they hold.
+    """
+    cfg, infos = inspect_target(path)
+    dtype = load_dtype(dtype, read_config(path), infos, "model.embed_tokens.weight")
+    cfg = dataclasses.replace(cfg, dtype=dtype)
+    return target_family(cfg).read(cfg, infos, dtype)
+
+
+def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[int] = None) -> None:
+    """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (and read_target)."""
+    dtype = dtype_name(dtype)
+    config = target_to_hf_config(dataclasses.replace(target.config, dtype=dtype))
+    target_family(target.config).write(path, target, config, dtype, shard_bytes)
+
+
+# ---------------------------------------------------------------------------------------
+# Drafter.
+
+def _head_tensor_shapes(cfg: DrafterConfig) -> dict:
+    """The DSpark and DFlash2 tensors beyond the DFlash backbone (recognised by the census; their
+    modules are not implemented yet, so their names live here rather than beside a module)."""
+    h, vocab, shapes = cfg.hidden_size, cfg.vocab_size, {}
+    if cfg.family == "dflash2":
+        k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+        for i in range(cfg.num_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
+                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
+        shapes.update({SELECTOR_TENSORS[0]: (vocab, cfg.selector_rank), SELECTOR_TENSORS[1]: (vocab, cfg.selector_rank),
+                       SELECTOR_TENSORS[2]: (cfg.selector_rank, h)})
+    if cfg.markov_rank is not None:
+        shapes.update({MARKOV_TENSORS[0]: (vocab, cfg.markov_rank), MARKOV_TENSORS[1]: (vocab, cfg.markov_rank)})
+    if cfg.confidence_in_dim is not None:
+        shapes.update({CONFIDENCE_TENSORS[0]: (1, cfg.confidence_in_dim), CONFIDENCE_TENSORS[1]: (1,)})
+    return shapes
+
+
+def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
+    """Hugging Face tensor name -> shape that a drafter checkpoint of `cfg` must hold (no `model.` prefix):
+    the DFlash backbone from its name map, plus the family's heads."""
+    backbone = DRAFTER_FAMILIES["dflash"]
+    return {**backbone.hf_shapes(cfg), **_head_tensor_shapes(cfg)}
+
+
+def drafter_census(d: Mapping, tensor_shapes: Optional[Mapping] = None, target: Optional[TargetConfig] = None, *,
+                   env: Optional[Mapping] = None, **overrides) -> DrafterConfig:
+    """The config census (`config.drafters.drafter_census`), then every tensor checked against the family.
+
+    Missing tensors and shape mismatches are refused; unknown tensors are a warning for DFlash
+    (recorded in `warnings`) and refused for DSpark/DFlash2, as in the original.
+    """
+    cfg = config_drafter_census(d, tensor_shapes, target, env=env, **overrides)
+    if tensor_shapes is None:
+        return cfg
+    what = f"{FAMILY_NAMES[cfg.family]} drafter checkpoint"
+    found = {n: tuple(int(s) for s in v) for n, v in tensor_shapes.items()}
+    extra = check_tensor_shapes(drafter_tensor_shapes(cfg), found, what)
+    if extra and cfg.family != "dflash":
+        raise CheckpointError(f"{what} has unrecognized tensors {extra}; refusing (census is strict)")
+    if extra:
+        return dataclasses.replace(cfg, warnings=(*cfg.warnings, f"unknown tensors ignored: {extra}"))
+    return cfg
+
+
+def unsupported_family_message(cfg: DrafterConfig) -> str:
+    """The refusal for a drafter family the census recognises but dflash-jax cannot run yet."""
+    supported = ", ".join(f"{FAMILY_NAMES[f]} (DFlashDraftModel)" for f in DRAFTER_FAMILIES)
+    return (f"{FAMILY_NAMES[cfg.family]} drafter detected ({'; '.join(cfg.reasons)}): not yet implemented "
+            f"in dflash-jax; supported: {supported}")
+
+
+def inspect_drafter(path, target_cfg: Optional[TargetConfig] = None, env=None, **overrides) -> tuple:
+    """(DrafterConfig, name -> TensorInfo): the census with the checkpoint's tensor shapes; reads no weights."""
+    infos = tensor_index(path)
+    shapes = {n: i.shape for n, i in infos.items()}
+    return drafter_census(read_config(path), shapes, target_cfg, env=env, **overrides), infos
+
+
+def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, env=None, **overrides) -> Drafter:
+    """A drafter directory as a Drafter of its family, checked against `target_cfg` when given.
+
+    Families the census recognises but we cannot run (DSpark, DFlash2) are refused; unknown
+    tensors of a DFlash checkpoint are ignored with a warning (also in `config.warnings`).
+    """
+    cfg, infos = inspect_drafter(path, target_cfg, env=env, **overrides)
+    family = drafter_family(cfg)
+    for message in cfg.warnings:
+        warnings.warn(f"{path}: {message}", stacklevel=2)
+    return family.read(cfg, infos, load_dtype(dtype, read_config(path), infos, "fc.weight"))
+
+
+def write_drafter(path, drafter: Drafter, dtype="bfloat16", shard_bytes: Optional[int] = None) -> None:
+    """Write a z-lab DFlashDraftModel directory that `read_drafter` reads back to the same config and params."""
+    dtype = dtype_name(dtype)
+    config = {**drafter_to_hf_config(drafter.config), "torch_dtype": dtype}
+    drafter_family(drafter.config).write(path, drafter, config, dtype, shard_bytes)

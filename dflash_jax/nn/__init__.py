@@ -1,1 +1,0 @@
-"""Pure-functional model code: shared layers, the dense target, the drafter."""

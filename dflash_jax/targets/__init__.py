@@ -1,0 +1,1 @@
+"""Target families behind the Target interface (`base`): dense Qwen3/Llama (`dense`, `dense_names`)."""

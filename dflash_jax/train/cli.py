@@ -1,0 +1,115 @@
+"""`dflash-jax train-drafter`: tokenize a corpus, train a DFlash drafter for a target, export it."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from tokenizers import Tokenizer
+
+from dflash_jax.config import CheckpointError
+from dflash_jax.io import checkpoints
+from dflash_jax.train.data import check_token_stream, load_corpus
+from dflash_jax.train.loop import (
+    COMPUTE_DTYPES,
+    LABELS,
+    TrainConfig,
+    check_drafter_for_target,
+    init_drafter,
+    param_count,
+    train_drafter,
+)
+
+MASK_TOKEN = "<|mask|>"
+EOT_TOKEN = "<|endoftext|>"
+
+
+def add_cli(subparsers) -> None:
+    """Register `train-drafter` on an argparse subparsers object."""
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train-drafter",
+        help="train a DFlash drafter for a Hugging Face target on a text corpus",
+        description="Train a DFlash drafter (z-lab DFlashDraftModel format) for a frozen Qwen3/Llama target.",
+    )
+    p.add_argument("--target", required=True, help="target directory: config.json, *.safetensors, tokenizer.json")
+    p.add_argument("--corpus", required=True,
+                   help="a text file, a directory of .txt/.py files (one document each), or a .npy token stream")
+    p.add_argument("--out", required=True, help="output directory for the drafter checkpoint and train_log.json")
+    p.add_argument("--layers", type=int, default=2,
+                   help="draft layers (default 2; published Qwen3-8B drafters use 5)")
+    p.add_argument("--block-size", type=int, default=16, help="block size b: anchor + b-1 drafts (default 16)")
+    p.add_argument("--mask-token-id", type=int,
+                   help=f"mask token id (default: the tokenizer's {MASK_TOKEN}; required if it has none)")
+    p.add_argument("--target-layer-ids", type=lambda s: tuple(int(x) for x in s.split(",")),
+                   help="comma-separated target layers to tap (default: the reference rule)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup-steps", type=int, help="default: min(100, steps // 10)")
+    p.add_argument("--gamma", type=float, default=d.gamma,
+                   help="slot weight decay exp(-(k-1)/gamma) (default 7, DFlash's for b=16; 5 for b=10, 4 for b=8)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: final checkpoint only")
+    p.add_argument("--dtype", default=d.compute_dtype, choices=COMPUTE_DTYPES, help="compute dtype")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--time-budget", type=float, help="stop after this many seconds and export (default: no limit)")
+    p.add_argument("--labels", default=d.labels, choices=LABELS,
+                   help="data: the corpus's next tokens (published objective, default); target: the target's "
+                        "argmax at each position (learns the target's choices from any text)")
+    p.set_defaults(func=cli_train_drafter)
+
+
+def _tokenizer(target_dir) -> Optional[Tokenizer]:
+    path = os.path.join(os.fspath(target_dir), "tokenizer.json")
+    return Tokenizer.from_file(path) if os.path.isfile(path) else None
+
+
+def _prepare(args) -> tuple:
+    """(Target, data, DrafterConfig, params, TrainConfig) for the command, refusing bad input early."""
+    tc = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq,
+        lr=args.lr, warmup_steps=min(100, args.steps // 10) if args.warmup_steps is None else args.warmup_steps,
+        gamma=args.gamma, seed=args.seed, compute_dtype=args.dtype, checkpoint_every=args.checkpoint_every,
+        time_budget_s=args.time_budget, labels=args.labels,
+    )
+    tokenizer = _tokenizer(args.target)
+    mask_id = args.mask_token_id
+    if mask_id is None:
+        mask_id = tokenizer.token_to_id(MASK_TOKEN) if tokenizer is not None else None
+        if mask_id is None:
+            raise ValueError(
+                f"the target's tokenizer has no {MASK_TOKEN} token (or {args.target} has no tokenizer.json); "
+                "pass --mask-token-id with the id of a token the target never produces"
+            )
+    if tokenizer is None and Path(args.corpus).suffix != ".npy":
+        raise ValueError(f"{args.target} has no tokenizer.json, needed to tokenize the text corpus {args.corpus}")
+    target = checkpoints.read_target(args.target, dtype=args.dtype)
+    cfg = target.config
+    separator = tokenizer.token_to_id(EOT_TOKEN) if tokenizer is not None else None
+    if separator is None and cfg.eos_token_ids:
+        separator = cfg.eos_token_ids[0]
+    data = load_corpus(args.corpus, tokenizer, separator)
+    dcfg, dparams = init_drafter(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask_id,
+                                 target_layer_ids=args.target_layer_ids, seed=args.seed)
+    check_drafter_for_target(cfg, dcfg, dparams, tc)
+    check_token_stream(data, cfg.vocab_size, tc.seq_len, f"corpus {args.corpus}")
+    return target, data, dcfg, dparams, tc
+
+
+def cli_train_drafter(args) -> int:
+    """`dflash-jax train-drafter`: tokenize the corpus, train, export; 1 with the reason if refused."""
+    try:
+        target, data, dcfg, dparams, tc = _prepare(args)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 1
+    print(f"corpus: {data.shape[0]:,} tokens; drafter: {dcfg.num_layers} layers, {param_count(dparams):,} "
+          f"parameters, taps {list(dcfg.target_layer_ids)}, block size {dcfg.block_size}, "
+          f"mask token {dcfg.mask_token_id}", file=sys.stderr)
+    history = []
+    train_drafter(target, data, dcfg, dparams, tc, out_dir=args.out, history=history)
+    print(f"wrote {args.out} (acceptance-length estimate on training batches {history[-1]['acc_len']:.2f})")
+    return 0

@@ -1,0 +1,403 @@
+"""Training loops: drafter distillation (`objective.drafter_loss`) and small-LM pretraining.
+
+Training is AdamW (b2 0.95, no decay on norms) with linear warmup and cosine decay to
+zero, global-norm clipping, float32 master weights and a forward in `compute_dtype`, one
+jitted step per batch. The target runs forward only; its LM head is applied to the
+`[B, A, b-1]` rows that need it, never to the whole window.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dflash_jax.config import (
+    DrafterConfig,
+    TargetConfig,
+    check_fits_target,
+    default_target_layer_ids,
+    drafter_census,
+    drafter_to_hf_config,
+)
+from dflash_jax.io import checkpoints
+from dflash_jax.targets.base import Target
+from dflash_jax.train.data import check_token_stream, sample_anchors, sample_windows
+from dflash_jax.train.objective import cast, drafter_loss, lm_loss, loss_weights
+
+COMPUTE_DTYPES = ("bfloat16", "float32")
+LABELS = ("data", "target")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and batching knobs shared by drafter training and target pretraining.
+
+    `anchors_per_seq` blocks are trained per sequence (drafter only). `gamma` is the decay of
+    the per-slot loss weight `exp(-(k-1)/gamma)`; 7 is DFlash's value for block size 16.
+    `checkpoint_every` 0 writes only the final checkpoint; `log_every` sets how often the
+    progress line and the log are updated (each update waits for the device).
+    `time_budget_s` stops training at the first log point past that many seconds (the
+    learning-rate schedule still spans `steps`), so a run fits a fixed machine lease.
+    `labels` picks the drafter's targets: "data" is the published objective (the text's own
+    next tokens); "target" uses the frozen target's argmax at each position instead, which is
+    what greedy verification checks, so text the target would not have written still teaches
+    the drafter the target's choices.
+    """
+
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 512
+    anchors_per_seq: int = 16
+    lr: float = 6e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    seed: int = 0
+    compute_dtype: str = "bfloat16"
+    checkpoint_every: int = 0
+    log_every: int = 10
+    time_budget_s: Optional[float] = None
+    labels: str = "data"
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "anchors_per_seq", "log_every"):
+            _check_int(self, name, 1)
+        _check_int(self, "seq_len", 2)
+        for name in ("warmup_steps", "checkpoint_every", "seed"):
+            _check_int(self, name, 0)
+        if self.warmup_steps >= self.steps:
+            raise ValueError(
+                f"TrainConfig.warmup_steps {self.warmup_steps} must be below steps {self.steps} "
+                "(the cosine decay needs at least one step)"
+            )
+        for name, low, inclusive in (("lr", 0.0, False), ("grad_clip", 0.0, False), ("gamma", 0.0, False),
+                                     ("weight_decay", 0.0, True)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < low or (value == low and not inclusive):
+                bound = f">= {low}" if inclusive else f"> {low}"
+                raise ValueError(f"TrainConfig.{name} {value!r}: expected a finite number {bound}")
+        if self.time_budget_s is not None and not (isinstance(self.time_budget_s, (int, float))
+                                                   and self.time_budget_s > 0):
+            raise ValueError(f"TrainConfig.time_budget_s {self.time_budget_s!r}: expected seconds > 0, or None")
+        if self.labels not in LABELS:
+            raise ValueError(f"TrainConfig.labels {self.labels!r} is not supported; choices: {', '.join(LABELS)}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"TrainConfig.compute_dtype {self.compute_dtype!r} is not supported; choices: "
+                f"{', '.join(COMPUTE_DTYPES)}"
+            )
+
+
+def _check_int(tc: TrainConfig, name: str, low: int) -> None:
+    value = getattr(tc, name)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"TrainConfig.{name} {value!r}: expected an integer >= {low}")
+
+
+# ---------------------------------------------------------------------------------------
+# Parameters.
+
+
+def init_target(cfg: TargetConfig, seed: int = 0) -> dict:
+    """Float32 target params from the family's module (N(0, 0.02) weights, norms ones, biases zero)."""
+    return checkpoints.target_family(cfg).init(cfg, seed)
+
+
+def init_drafter(target_cfg: TargetConfig, *, num_layers: int, block_size: int, mask_token_id: int,
+                 target_layer_ids=None, intermediate_size=None, num_heads=None, num_kv_heads=None,
+                 head_dim=None, seed: int = 0) -> tuple:
+    """(DrafterConfig, float32 params) of a fresh DFlash drafter for `target_cfg`.
+
+    Shapes default to the target's; every layer is full attention, bidirectional inside the
+    block. `target_layer_ids` defaults to the first reference's rule (`[N // 2]` for one
+    draft layer, else `round(1 + i * (N - 4) / (n - 1))`). The config goes through the same
+    census `read_drafter` applies, so what is trained is what will be loaded.
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers {num_layers!r}: expected an integer >= 1")
+    ids = default_target_layer_ids(target_cfg.num_layers, num_layers) if target_layer_ids is None else target_layer_ids
+    cfg = DrafterConfig(
+        family="dflash",
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=intermediate_size or target_cfg.intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads or target_cfg.num_heads,
+        num_kv_heads=num_kv_heads or target_cfg.num_kv_heads,
+        head_dim=head_dim or target_cfg.head_dim,
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope=target_cfg.rope,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(ids),
+        layer_window=(None,) * num_layers,
+        causal=(False,) * num_layers,
+        vocab_size=target_cfg.vocab_size,
+        num_target_layers=target_cfg.num_layers,
+    )
+    cfg = drafter_census(drafter_to_hf_config(cfg), target=target_cfg, env={})
+    return cfg, checkpoints.drafter_family(cfg).init(cfg, seed)
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
+
+
+# ---------------------------------------------------------------------------------------
+# The loop shared by both trainers.
+
+
+def make_optimizer(tc: TrainConfig) -> tuple:
+    """(optimizer, schedule): global-norm clipping then AdamW under warmup + cosine decay."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps)
+    decay_mask = functools.partial(jax.tree.map, lambda x: x.ndim > 1)
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(tc.grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask),
+    )
+    return optimizer, schedule
+
+
+def _global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def _make_step(loss_fn: Callable, optimizer, schedule) -> Callable:
+    """Jitted `(params, opt_state, frozen, update_index, *batch) -> (params, opt_state, metrics)`."""
+
+    def step(params, opt_state, frozen, index, *batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, *batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics = {**metrics, "loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(index)}
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    donate = () if jax.default_backend() == "cpu" else (0, 1)  # the CPU backend cannot donate
+    return jax.jit(step, donate_argnums=donate)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class _Progress:
+    """One status line on stderr, rewritten in place on a terminal, one line per update otherwise."""
+
+    def __init__(self, label: str, enabled: bool):
+        self.label, self.enabled = label, enabled
+        self.inplace = enabled and sys.stderr.isatty()
+        self.width = 0
+
+    def update(self, rec: dict, steps: int) -> None:
+        if not self.enabled:
+            return
+        parts = [f"{self.label} {rec['step']}/{steps}", f"loss {rec['loss']:.4f}"]
+        if "acc_len" in rec:
+            parts.append(f"acc-len {rec['acc_len']:.2f}")
+        if "acc" in rec:
+            parts.append(f"acc {rec['acc']:.3f}")
+        if rec.get("tokens_per_s"):
+            parts += [f"{rec['tokens_per_s'] / 1e3:.1f}k tok/s", f"ETA {_duration(rec['eta_s'])}"]
+        else:
+            parts.append(f"compiled+1 step in {_duration(rec['elapsed_s'])}")
+        line = " | ".join(parts)
+        if self.inplace:
+            sys.stderr.write("\r" + line.ljust(self.width))
+            self.width = len(line)
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.inplace and self.width:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _summarise(pending: list) -> dict:
+    """Mean of each metric over the steps since the last log line."""
+    fetched = jax.device_get(pending)
+    return {k: np.mean([m[k] for m in fetched], axis=0) for k in fetched[0]}
+
+
+def _fit(loss_fn: Callable, params, frozen, tc: TrainConfig, next_batch: Callable, *, tokens_per_step: int,
+         label: str, progress: bool, history: Optional[list], on_checkpoint: Optional[Callable] = None):
+    """Run `tc.steps` optimizer steps; log means every `tc.log_every` steps into `history`."""
+    optimizer, schedule = make_optimizer(tc)
+    params = jax.tree.map(lambda x: jnp.array(x, jnp.float32), params)  # a private float32 master copy
+    opt_state = optimizer.init(params)
+    step = _make_step(loss_fn, optimizer, schedule)
+    bar = _Progress(label, progress)
+    history = [] if history is None else history
+    pending, t0, t_first = [], time.perf_counter(), None
+    for i in range(1, tc.steps + 1):
+        params, opt_state, metrics = step(params, opt_state, frozen, np.int32(i - 1), *next_batch())
+        pending.append(metrics)
+        if i == 1:
+            jax.block_until_ready(metrics)
+            t_first = time.perf_counter()
+        if i == 1 or i % tc.log_every == 0 or i == tc.steps:
+            rec = {k: v.tolist() for k, v in _summarise(pending).items()}
+            pending = []
+            now = time.perf_counter()
+            rate = (i - 1) / (now - t_first) if i > 1 else 0.0
+            rec.update(step=i, elapsed_s=now - t0,
+                       tokens_per_s=rate * tokens_per_step, eta_s=(tc.steps - i) / rate if rate else None)
+            if i == 1:
+                rec["first_step_s"] = t_first - t0
+            history.append(rec)
+            bar.update(rec, tc.steps)
+            if tc.time_budget_s is not None and now - t0 > tc.time_budget_s and i < tc.steps:
+                rec["stopped_early"] = f"time budget {tc.time_budget_s:g} s reached at step {i} of {tc.steps}"
+                break
+        if on_checkpoint is not None and tc.checkpoint_every and i % tc.checkpoint_every == 0 and i < tc.steps:
+            on_checkpoint(i, params)
+    jax.block_until_ready(params)
+    bar.close()
+    return params
+
+
+# ---------------------------------------------------------------------------------------
+# Public trainers and evaluation.
+
+
+def check_drafter_for_target(target_cfg: TargetConfig, cfg: DrafterConfig, params, tc: TrainConfig) -> None:
+    if cfg.family != "dflash" or cfg.harvest != "dflash":
+        raise ValueError(
+            f"only DFlash drafters with the mask-fill harvest can be trained; got family {cfg.family!r}, "
+            f"harvest {cfg.harvest!r}"
+        )
+    check_fits_target(cfg, target_cfg)
+    if tc.seq_len > target_cfg.max_position_embeddings:
+        raise ValueError(
+            f"TrainConfig.seq_len {tc.seq_len} exceeds the target's max_position_embeddings "
+            f"{target_cfg.max_position_embeddings}"
+        )
+    if tc.seq_len - cfg.block_size < tc.anchors_per_seq:
+        raise ValueError(
+            f"TrainConfig.anchors_per_seq {tc.anchors_per_seq} exceeds the {tc.seq_len - cfg.block_size} "
+            f"possible anchors (seq_len {tc.seq_len} - block_size {cfg.block_size})"
+        )
+    checkpoints.drafter_family(cfg).check(cfg, params)
+
+
+def _drafter(cfg: DrafterConfig, params):
+    return checkpoints.drafter_family(cfg).cls(cfg, params)
+
+
+def _drafter_loss_fn(target_cfg: TargetConfig, cfg: DrafterConfig, tc: TrainConfig) -> Callable:
+    return functools.partial(drafter_loss, target_cfg=target_cfg, cfg=cfg,
+                             weights=loss_weights(cfg.block_size, tc.gamma), dtype=jnp.dtype(tc.compute_dtype),
+                             labels=tc.labels)
+
+
+def _drafter_batches(rng: np.random.Generator, data: np.ndarray, cfg: DrafterConfig, tc: TrainConfig) -> Callable:
+    def next_batch():
+        tokens = sample_windows(rng, data, tc.batch_size, tc.seq_len)
+        return tokens, sample_anchors(rng, tc.batch_size, tc.anchors_per_seq, tc.seq_len, cfg.block_size)
+
+    return next_batch
+
+
+def train_drafter(target: Target, data, drafter_cfg: DrafterConfig, params: dict, tc: TrainConfig, *,
+                  out_dir=None, progress: bool = True, history: Optional[list] = None) -> dict:
+    """Train a DFlash drafter for the frozen `target` on a 1-D token stream; return float32 params.
+
+    With `out_dir`: a z-lab DFlashDraftModel checkpoint (bfloat16) at `out_dir/checkpoint-STEP`
+    every `tc.checkpoint_every` steps, the final one in `out_dir` itself, and
+    `out_dir/train_log.json` (config, logged metrics, timings). `history`, when given, is
+    extended with the logged records.
+    """
+    tcfg = target.config
+    check_drafter_for_target(tcfg, drafter_cfg, params, tc)
+    data = check_token_stream(data, tcfg.vocab_size, tc.seq_len)
+    rng = np.random.default_rng(tc.seed)
+    history = [] if history is None else history
+    t0 = time.perf_counter()
+
+    def save(step, p):
+        checkpoints.write_drafter(os.path.join(os.fspath(out_dir), f"checkpoint-{step}"), _drafter(drafter_cfg, p))
+
+    params = _fit(_drafter_loss_fn(tcfg, drafter_cfg, tc), params, cast(target.params, jnp.dtype(tc.compute_dtype)),
+                  tc, _drafter_batches(rng, data, drafter_cfg, tc), tokens_per_step=tc.batch_size * tc.seq_len,
+                  label="drafter", progress=progress, history=history,
+                  on_checkpoint=save if out_dir is not None else None)
+    if out_dir is not None:
+        checkpoints.write_drafter(out_dir, _drafter(drafter_cfg, params))
+        write_log(os.path.join(os.fspath(out_dir), "train_log.json"), {
+            "kind": "dflash-drafter",
+            "train_config": dataclasses.asdict(tc),
+            "drafter_config": drafter_to_hf_config(drafter_cfg),
+            "drafter_parameters": param_count(params),
+            "data_tokens": int(data.shape[0]),
+            "wall_s": time.perf_counter() - t0,
+            "history": history,
+        })
+    return params
+
+
+def pretrain_target(cfg: TargetConfig, params: dict, data, tc: TrainConfig, *, progress: bool = True,
+                    history: Optional[list] = None) -> dict:
+    """Next-token LM training of a target on a 1-D token stream (windows of seq_len + 1); float32 params."""
+    checkpoints.target_family(cfg).check(cfg, params)
+    if tc.seq_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"TrainConfig.seq_len {tc.seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    data = check_token_stream(data, cfg.vocab_size, tc.seq_len + 1)
+    rng = np.random.default_rng(tc.seed)
+    loss_fn = functools.partial(lm_loss, cfg=cfg, dtype=jnp.dtype(tc.compute_dtype))
+
+    def next_batch():
+        return (sample_windows(rng, data, tc.batch_size, tc.seq_len + 1),)
+
+    return _fit(loss_fn, params, None, tc, next_batch, tokens_per_step=tc.batch_size * tc.seq_len,
+                label="target", progress=progress, history=history)
+
+
+def evaluate_target(cfg: TargetConfig, params: dict, data, *, seq_len: int, batch_size: int, n_batches: int,
+                    compute_dtype: str = "bfloat16") -> dict:
+    """Mean next-token loss, perplexity and top-1 accuracy on `n_batches * batch_size` evenly spaced windows."""
+    data = check_token_stream(data, cfg.vocab_size, seq_len + 1)
+    n = batch_size * n_batches
+    starts = np.linspace(0, data.shape[0] - seq_len - 1, n).astype(np.int64)
+    windows = data[starts[:, None] + np.arange(seq_len + 1)]
+    fn = jax.jit(functools.partial(lm_loss, cfg=cfg, dtype=jnp.dtype(compute_dtype)))
+    results = [fn(params, None, windows[i * batch_size:(i + 1) * batch_size]) for i in range(n_batches)]
+    loss = float(np.mean([float(r[0]) for r in results]))
+    acc = float(np.mean([float(r[1]["acc"]) for r in results]))
+    return {"loss": loss, "perplexity": math.exp(loss), "accuracy": acc, "tokens": n * seq_len}
+
+
+def evaluate_drafter(target: Target, data, cfg: DrafterConfig, params: dict, tc: TrainConfig,
+                     n_batches: int) -> dict:
+    """Loss, acceptance-length estimate and per-slot agreement on `n_batches` seeded batches of `data`."""
+    check_drafter_for_target(target.config, cfg, params, tc)
+    data = check_token_stream(data, target.config.vocab_size, tc.seq_len)
+    dtype = jnp.dtype(tc.compute_dtype)
+    fn = jax.jit(_drafter_loss_fn(target.config, cfg, tc))
+    next_batch = _drafter_batches(np.random.default_rng(tc.seed + 1), data, cfg, tc)
+    target_params = cast(target.params, dtype)
+    results = jax.device_get([fn(params, target_params, *next_batch()) for _ in range(n_batches)])
+    return {
+        "loss": float(np.mean([r[0] for r in results])),
+        "acc_len": float(np.mean([r[1]["acc_len"] for r in results])),
+        "slot_acc": np.mean([r[1]["slot_acc"] for r in results], axis=0).tolist(),
+        "blocks": n_batches * tc.batch_size * tc.anchors_per_seq,
+    }
+
+
+def write_log(path, log: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(log, fh, indent=1)
