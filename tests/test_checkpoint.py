@@ -194,6 +194,19 @@ def test_sharded_index_naming_an_absent_shard_is_refused(tmp_path):
         checkpoints.read_target(tmp_path)
 
 
+@pytest.mark.parametrize("escape", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", ".."])
+def test_sharded_index_naming_a_shard_outside_the_folder_is_refused(tmp_path, escape):
+    """A checkpoint is untrusted: its index may name only plain files in its own folder."""
+    folder = tmp_path / "ckpt"
+    checkpoints.write_target(folder, make_target(QWEN3, random_params(target_param_shapes(QWEN3))),
+                            dtype="float32", shard_bytes=20_000)
+    index = json.loads((folder / INDEX_FILE).read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = escape
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        checkpoints.read_target(folder)
+
 
 # --- target refusals ---------------------------------------------------------------------
 

@@ -61,6 +61,10 @@ def tensor_index(path) -> dict:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e!r})") from e
         files = sorted(set(weight_map.values()))
+        escaping = [f for f in files if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", "..")]
+        if escaping:
+            raise CheckpointError(f"{index} names shard(s) {escaping[:4]} outside the checkpoint folder; "
+                                  "shards must be plain file names in the same folder")
     elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
         weight_map, files = None, [SINGLE_FILE]
     else:
