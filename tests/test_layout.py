@@ -1,0 +1,78 @@
+"""The layout keeps its promises (docs/architecture.md, "Layout"): no import cycles, and the decoding
+loops import the Target and Drafter interfaces, never a family module."""
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dflash_jax"
+
+
+def _modules() -> dict:
+    """Module name -> path of every module of the package (assets excluded)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "assets" in path.parts:
+            continue
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict:
+    """Module -> the package modules it imports (`from a.b import c` names `a.b.c` when that is a module)."""
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dflash_jax"):
+                edges |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name.startswith("dflash_jax")}
+        graph[name] = {e for e in edges if e in mods and e != name and not name.startswith(e + ".")}
+    return graph
+
+
+def _cycle(graph: dict):
+    """One import cycle as a list of modules, or None."""
+    state, stack = {}, []
+
+    def visit(u):
+        state[u] = "open"
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                return stack[stack.index(v):] + [v]
+            if v not in state and (found := visit(v)):
+                return found
+        stack.pop()
+        state[u] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert len(graph) > 20, f"the package's modules were not found under {PACKAGE}"
+    cycle = _cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = import_graph()
+    graph["dflash_jax.targets.base"] = graph["dflash_jax.targets.base"] | {"dflash_jax.decoding.common"}
+    assert _cycle(graph) is not None, "decoding.common imports targets.base, so the planted edge closes a cycle"
+
+
+def test_decoding_imports_only_the_interfaces():
+    graph = import_graph()
+    families = {m for m in graph if m.count(".") == 2 and m.split(".")[1] in ("targets", "drafters")
+                and not m.endswith(".base")}
+    assert "dflash_jax.targets.dense" in families and "dflash_jax.drafters.dflash" in families
+    for module, imports in graph.items():
+        if module.startswith("dflash_jax.decoding"):
+            assert not imports & families, f"{module} imports family modules {sorted(imports & families)}"
