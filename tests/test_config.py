@@ -1,4 +1,4 @@
-"""Census of target and drafter configs (DESIGN.md §3-§7) and the host-side policy."""
+"""Census of target and drafter configs (docs/architecture.md, "DFlash" and "Policy") and the host-side policy."""
 import copy
 import dataclasses
 import json

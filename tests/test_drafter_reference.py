@@ -1,4 +1,4 @@
-"""The drafter forward against an independent step-by-step numpy reference of DESIGN.md §4.
+"""The drafter forward against an independent step-by-step numpy reference of docs/architecture.md, "DFlash".
 
 The reference below imports nothing from `dflash_jax.targets` or `dflash_jax.drafters`: RMSNorm, rotate-half RoPE
 (default rope, `inv_freq = theta^(-2i/d)`), GQA attention with an explicit loop over keys

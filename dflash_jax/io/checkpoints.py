@@ -1,8 +1,8 @@
 """Each family's checkpoints: which module and name map a config selects, the tensor census,
 loading into a Target or Drafter, and writing back what transformers (or the reference) reads.
 
-A family is registered once below with its interface class, its module's shapes and its
-Hugging Face name map; everything else is derived from those three.
+A family is registered once below with its interface class, its module's shapes, its Hugging
+Face name map and its initialiser; everything else is derived from those.
 """
 from __future__ import annotations
 
