@@ -34,22 +34,25 @@ def load_drafter(path, target: Target | None = None, dtype=None, **overrides) ->
 
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),
              sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
-             impl: Optional[str] = None, verify_t: Optional[int] = None) -> Result:
+             impl: Optional[str] = None, verify_t: Optional[int] = None, verify_buckets=None) -> Result:
     """Generate up to `max_new_tokens` per prompt, exactly as the target alone would.
 
     prompts: a list of token-id lists (ragged) or a 2-D int array. stop_tokens: ids that end
     a row (kept in its output). sampling: one `Sampling` for all rows or one per row
-    (temperature 0 is greedy). verify_t caps the drafts examined per round (speculative only).
+    (temperature 0 is greedy). verify_t caps the drafts examined per round, and verify_buckets
+    lists smaller static blocks a round may verify instead of the full one (speculative only).
     Plain decoding when `drafter` is None. Returns `Result(tokens, stats)`; one compiled
     program is reused for calls with the same static shapes.
     """
     if drafter is None:
-        if verify_t is not None:
-            raise ValueError("verify_t caps the drafts a round examines; plain decoding (drafter=None) has none")
+        if verify_t is not None or verify_buckets is not None:
+            raise ValueError("verify_t and verify_buckets shape a round's verify; plain decoding (drafter=None) "
+                             "has none")
         return plain_generate(target, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                               sampling=sampling, capacity=capacity, impl=impl)
     return Session(target, drafter, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
-                   sampling=sampling, capacity=capacity, impl=impl, verify_t=verify_t).run()
+                   sampling=sampling, capacity=capacity, impl=impl, verify_t=verify_t,
+                   verify_buckets=verify_buckets).run()
 
 
 @dataclasses.dataclass

@@ -61,6 +61,12 @@ def describe_drafter(cfg: DrafterConfig) -> list:
         f"mask token: {cfg.mask_token_id}",
         f"extra heads: {', '.join(cfg.heads) or 'none'}",
     ]
+    if cfg.verify_policy is not None:
+        tau = f" at tau {cfg.verify_tau:g}" if cfg.verify_policy != "ladder" else f", adapt {'on' if cfg.adapt else 'off'}"
+        budget = f", batch budget {cfg.verify_budget} drafts a round" if cfg.verify_budget is not None else ""
+        lines += [f"verify window: {cfg.verify_policy}{tau}{budget}", f"markov head: {'on' if cfg.markov else 'off'}"]
+    else:
+        lines.append("verify window: fixed (the cap, DFLASH_VERIFY_T / verify_t)")
     lines += [f"reason: {r}" for r in cfg.reasons]
     lines += [f"warning: {w}" for w in cfg.warnings]
     return lines
@@ -128,7 +134,7 @@ def cmd_generate(args) -> int:
         sampling = _sampling(args)
         overrides = {"block_size": args.block_size} if args.block_size else {}
         if args.target is None:
-            demo = load_demo(args.dtype or "float32", **overrides)
+            demo = load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
             tokenizer, target, drafter = demo.tokenizer, demo.target, demo.drafter
         else:
             target = dflash_jax.load_target(args.target, args.dtype)
@@ -187,7 +193,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, help="drafter block size (default: the checkpoint's)")
     p.add_argument("--target", help="Hugging Face target directory (with tokenizer.json)")
-    p.add_argument("--drafter", help="DFlash drafter directory")
+    p.add_argument("--drafter", help="drafter directory (DFlash or DSpark)")
+    p.add_argument("--demo-drafter", default="dflash", choices=["dflash", "dspark"],
+                   help="which bundled drafter to use with the demo target (default dflash)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weight dtype (default: the checkpoint's)")
     p.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and whether outputs match")
     p.set_defaults(func=cmd_generate)

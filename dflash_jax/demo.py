@@ -32,12 +32,18 @@ def load_tokenizer(path) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(file)
 
 
-def load_demo(dtype="float32", directory: str = DEMO_DIR, **overrides) -> Demo:
-    """The demo tokenizer, target and drafter. Shipped in bf16, computed in float32 by default:
-    the models are tiny, and float32 keeps plain and speculative greedy decoding token-identical
-    (in bf16 a 16-row verify and a 1-row step may round a near-tie differently). `overrides` go
-    to the drafter census (e.g. `block_size=8`)."""
-    target_dir, drafter_dir = os.path.join(directory, "target"), os.path.join(directory, "drafter")
+DEMO_DRAFTERS = {"dflash": "drafter", "dspark": "drafter_dspark"}
+"""The bundled drafters by family, and their folders."""
+
+
+def load_demo(dtype="float32", directory: str = DEMO_DIR, drafter: str = "dflash", **overrides) -> Demo:
+    """The demo tokenizer, target and drafter (`drafter`: "dflash" or "dspark"). Shipped in bf16, computed
+    in float32 by default: the models are tiny, and float32 keeps plain and speculative greedy decoding
+    token-identical (in bf16 a 16-row verify and a 1-row step may round a near-tie differently).
+    `overrides` go to the drafter census (e.g. `block_size=8`)."""
+    if drafter not in DEMO_DRAFTERS:
+        raise ValueError(f"demo drafter {drafter!r} is not bundled; choices: {', '.join(DEMO_DRAFTERS)}")
+    target_dir, drafter_dir = os.path.join(directory, "target"), os.path.join(directory, DEMO_DRAFTERS[drafter])
     if not (os.path.isdir(target_dir) and os.path.isdir(drafter_dir)):
         raise ValueError(f"the demo pair is missing from {directory}: reinstall dflash-jax, or rebuild it with "
                          "the recipe in bench/demo_pair/README.md")

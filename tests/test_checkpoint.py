@@ -325,12 +325,29 @@ def test_drafter_against_a_mismatched_target_is_refused(drafter_dir):
         checkpoints.read_drafter(drafter_dir, target_cfg=LLAMA, env=NO_ENV)
 
 
-def test_dspark_drafter_directory_is_refused_as_not_yet_implemented(drafter_dir):
+def test_dspark_strategy_directory_loads_as_a_dspark_drafter_with_the_shifted_harvest(drafter_dir):
     edit_config(drafter_dir, lambda d: d.update(architectures=["DSparkDraftModel"]))
-    with pytest.raises(CheckpointError, match=r"DSpark drafter detected \(family dspark: architectures "
-                                              r"\['DSparkDraftModel'\].*\): not yet implemented in dflash-jax; "
-                                              r"supported: DFlash \(DFlashDraftModel\)"):
-        checkpoints.read_drafter(drafter_dir, env=NO_ENV)
+    drafter = checkpoints.read_drafter(drafter_dir, env=NO_ENV)
+    cfg = drafter.config
+    assert type(drafter).__name__ == "DSparkDrafter"
+    assert (cfg.family, cfg.harvest, cfg.n_drafts, cfg.heads) == ("dspark", "dspark", cfg.block_size, ())
+    assert (cfg.verify_policy, cfg.markov) == ("ladder", False), "no heads: the ladder, and no Markov chain"
+
+
+def test_dflash2_drafter_directory_is_refused_as_not_yet_implemented(tmp_path):
+    config = {"architectures": ["DFlash2DraftModel"], "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "vocab_size": 64, "is_causal": False, "layer_types": ["sliding_attention"], "sliding_window": 8,
+              "dflash_config": {"block_size": 4, "mask_token_id": 60, "target_layer_ids": [0], "selector_rank": 4,
+                                "selector_top_k": 3, "conv_kernel_size": 2, "conv_group_size": 8}}
+    tmp_path.joinpath("config.json").write_text(json.dumps(config))
+    cfg = drafter_census(config, env=NO_ENV)
+    save_file({n: np.zeros(shape, np.float32) for n, shape in drafter_tensor_shapes(cfg).items()},
+              str(tmp_path / SINGLE_FILE), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"DFlash2 drafter detected \(family dflash2: architectures "
+                                              r"\['DFlash2DraftModel'\].*\): not yet implemented in dflash-jax; "
+                                              r"supported: DFlash \(DFlashDraftModel\), DSpark \(DSparkDraftModel\)"):
+        checkpoints.read_drafter(tmp_path, env=NO_ENV)
 
 
 def test_read_drafter_applies_overrides_and_the_harvest_environment(drafter_dir):

@@ -84,14 +84,23 @@ def test_inspect_refuses_a_drafter_that_does_not_fit_the_target(capsys, drafter_
     assert "refused: drafter hidden_size 32 != target hidden_size 24" in err
 
 
-def test_inspect_prints_the_census_then_refuses_an_unimplemented_family(capsys, drafter_dir):
+def test_inspect_reports_the_dspark_harvest_and_verify_window_with_their_reasons(capsys, drafter_dir, monkeypatch):
     config = json.loads((drafter_dir / "config.json").read_text())
     config["dflash_config"]["projector_type"] = "dspark"
     (drafter_dir / "config.json").write_text(json.dumps(config))
+    for name in ("DFLASH_VT", "DFLASH_VT_TAU", "DFLASH_ADAPT", "DFLASH_MARKOV"):
+        monkeypatch.delenv(name, raising=False)
     code, out, err = run(capsys, drafter_dir)
-    assert code == 1, "a checkpoint we cannot run exits non-zero"
-    assert "family: dspark" in out and "harvest: dspark (draft rows 0..3)" in out, "the census is still shown"
-    assert "refused: DSpark drafter detected" in err and "not yet implemented in dflash-jax" in err
+    assert code == 0, err
+    assert "family: dspark" in out and "harvest: dspark (draft rows 0..3)" in out
+    assert "reason: harvest dspark: trained with shifted labels" in out
+    assert "verify window: ladder, adapt on" in out and "reason: verify policy ladder (no confidence head)" in out
+    monkeypatch.setenv("DFLASH_ADAPT", "0")
+    code, out, _ = run(capsys, drafter_dir)
+    assert code == 0 and "verify window: ladder, adapt off" in out and "adapt 0 from DFLASH_ADAPT" in out
+    monkeypatch.setenv("DFLASH_VT", "confidence")
+    code, _, err = run(capsys, drafter_dir)
+    assert code == 1 and "refused: verify policy 'confidence' (DFLASH_VT) with DFLASH_ADAPT=0 is contradictory" in err
 
 
 def test_inspect_refuses_a_drafter_without_mask_token(capsys, drafter_dir):

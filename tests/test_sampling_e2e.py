@@ -16,11 +16,16 @@ has sum(sqrt(p)) ~ 15 against sqrt(4096) = 64 for a flat one) yet still depend o
 through the other LM head rows. The drafter's layer outputs are damped, so its logits stay
 near the bias: its argmax is usually a likely target token and its sampled q overlaps p, and
 roughly half of all drafts are accepted with either proposal.
+
+A DSpark drafter on the same backbone (block 4, shifted harvest: 4 drafts) adds a Markov head,
+so its sampled q is the chain's corrected distribution, and a confidence head under the
+`confidence` policy, so rows verify different widths (2 to 5) in the same batch.
 """
 import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -30,6 +35,7 @@ from dflash_jax.decoding import speculative as spec
 from dflash_jax.decoding.common import Stats
 from dflash_jax.decoding.session import Session
 from dflash_jax.drafters.dflash import DFlashDrafter
+from dflash_jax.io.checkpoints import make_drafter
 from dflash_jax.sampling import Sampling
 from dflash_jax.targets.dense import DenseTarget
 from conftest import inverted_accept_length, residual_without_q, tiny_drafter, tiny_target
@@ -56,12 +62,17 @@ SAMPLINGS = {
     "t1_topk8": Sampling(temperature=1.0, top_k=8),
     "t08_topp09": Sampling(temperature=0.8, top_p=0.9),
 }
-CASES = [(name, proposal) for name in SAMPLINGS for proposal in smp.PROPOSALS]
+CASES = [(name, proposal, "dflash") for name in SAMPLINGS for proposal in smp.PROPOSALS]
+CASES += [("t1", "argmax", "dspark"), ("t08_topp09", "sample", "dspark")]
+MARKOV_RANK = 4
+MARKOV_SCALE = 0.25  # shifts every slot's q (and about 6% of argmax drafts) yet leaves drafts acceptable
+CONFIDENCE_SCALE, CONFIDENCE_BIAS, TAU = 1.0, 4.2, 0.45  # widths 2..5 across contexts (mostly 4)
 
 
 @functools.cache
-def pair() -> tuple[DenseTarget, DFlashDrafter]:
-    """(target, drafter) whose logits share a token bias (see the module docstring)."""
+def pair(family: str = "dflash") -> tuple:
+    """(target, drafter) whose logits share a token bias (see the module docstring). The DSpark drafter
+    adds a Markov head and a confidence head (per-row confidence widths) to the same backbone."""
     base = tiny_target(0, vocab=V, layers=2, hidden=H)
     p = base.params
     bias_row = -BIAS_SLOPE * np.arange(V) / (np.sqrt(H) * p["final_norm"][0])
@@ -71,7 +82,19 @@ def pair() -> tuple[DenseTarget, DFlashDrafter]:
     layers = {name: dict(lp, wo=DRAFTER_DAMP * lp["wo"], w_down=DRAFTER_DAMP * lp["w_down"])
               for name, lp in d.params.items() if name.startswith("layers_")}
     assert len(layers) == d.config.num_layers
-    return target, DFlashDrafter(d.config, dict(d.params, **layers))
+    if family == "dflash":
+        return target, DFlashDrafter(d.config, dict(d.params, **layers))
+    cfg = dataclasses.replace(d.config, family="dspark", harvest="dspark", markov_rank=MARKOV_RANK, markov=True,
+                              confidence_in_dim=H + MARKOV_RANK, verify_policy="confidence", verify_tau=TAU,
+                              adapt=True)
+    rng = np.random.default_rng(5)
+    heads = {"markov_w1": MARKOV_SCALE * rng.standard_normal((V, MARKOV_RANK)),
+             "markov_w2": MARKOV_SCALE * rng.standard_normal((MARKOV_RANK, V)),
+             "confidence_w": CONFIDENCE_SCALE * rng.standard_normal((H + MARKOV_RANK, 1)) * (np.arange(H + MARKOV_RANK)
+                                                                                       > 0)[:, None],
+             "confidence_b": np.full(1, CONFIDENCE_BIAS)}
+    return target, make_drafter(cfg, dict(d.params, **layers, **{k: jnp.asarray(v, jnp.float32)
+                                                                   for k, v in heads.items()}))
 
 
 def tv(a, b) -> float:
@@ -113,18 +136,19 @@ def as_tokens(rows: list) -> np.ndarray:
     return np.asarray(rows, np.int64)
 
 
-def speculative_batch(sampling: Sampling) -> tuple[np.ndarray, Stats]:
+def speculative_batch(sampling: Sampling, family: str = "dflash") -> tuple[np.ndarray, Stats]:
     """(tokens [BATCH, 3], stats) of one speculative session over BATCH copies of the prompt."""
-    target, drafter = pair()
+    target, drafter = pair(family)
     r = Session(target, drafter, [PROMPT] * BATCH, max_new_tokens=N_TOKENS, sampling=sampling,
                 capacity=CAPACITY).run()
     return as_tokens(r.tokens), r.stats
 
 
 @functools.cache
-def speculative_draws(name: str, proposal: str) -> tuple[np.ndarray, dict]:
+def speculative_draws(name: str, proposal: str, family: str = "dflash") -> tuple[np.ndarray, dict]:
     """(tokens [N, 3], accepted / drafted / accept_hist summed over SPEC_SEEDS)."""
-    runs = [speculative_batch(dataclasses.replace(SAMPLINGS[name], seed=s, proposal=proposal)) for s in SPEC_SEEDS]
+    runs = [speculative_batch(dataclasses.replace(SAMPLINGS[name], seed=s, proposal=proposal), family)
+            for s in SPEC_SEEDS]
     stats = {key: sum(getattr(st, key) for _, st in runs) for key in ("accepted", "drafted")}
     stats["accept_hist"] = np.sum([st.accept_hist for _, st in runs], axis=0)
     return np.concatenate([t for t, _ in runs]), stats
@@ -151,12 +175,12 @@ def distances(tokens: np.ndarray, exact: np.ndarray) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name, proposal", CASES)
-def test_speculative_joint_of_three_tokens_matches_the_target(name, proposal):
+@pytest.mark.parametrize("name, proposal, family", CASES)
+def test_speculative_joint_of_three_tokens_matches_the_target(name, proposal, family):
     exact = exact_joint(SAMPLINGS[name])
-    tokens, _ = speculative_draws(name, proposal)
+    tokens, _ = speculative_draws(name, proposal, family)
     for what, (d, bound) in distances(tokens, exact).items():
-        assert d < bound, (f"{name}/{proposal}: {what} of {N} speculative draws is TV {d:.4f} from the target's "
+        assert d < bound, (f"{family} {name}/{proposal}: {what} of {N} speculative draws is TV {d:.4f} from the target's "
                            f"exact distribution; {N} exact draws exceed {bound:.4f} with probability < {DELTA}")
 
 
@@ -168,22 +192,22 @@ def test_plain_sampling_matches_the_exact_joint(name):
                            f"(bound {bound:.4f}); plain sampling or the exact reference is wrong")
 
 
-@pytest.mark.parametrize("name, proposal", CASES)
-def test_speculative_joint_matches_plain_sampling(name, proposal):
-    d = tv(joint_histogram(speculative_draws(name, proposal)[0]), joint_histogram(plain_draws(name)))
+@pytest.mark.parametrize("name, proposal, family", CASES)
+def test_speculative_joint_matches_plain_sampling(name, proposal, family):
+    d = tv(joint_histogram(speculative_draws(name, proposal, family)[0]), joint_histogram(plain_draws(name)))
     bound = tv_bound(exact_joint(SAMPLINGS[name]), N, two_sample=True)
-    assert d < bound, (f"{name}/{proposal}: speculative and plain joints of {N} draws each are TV {d:.4f} apart; "
+    assert d < bound, (f"{family} {name}/{proposal}: speculative and plain joints of {N} draws each are TV {d:.4f} apart; "
                        f"two samples of one distribution exceed {bound:.4f} with probability < {DELTA}")
 
 
-@pytest.mark.parametrize("name, proposal", CASES)
-def test_drafts_are_accepted_often_enough_to_exercise_the_accept_path(name, proposal):
-    _, stats = speculative_draws(name, proposal)
+@pytest.mark.parametrize("name, proposal, family", CASES)
+def test_drafts_are_accepted_often_enough_to_exercise_the_accept_path(name, proposal, family):
+    _, stats = speculative_draws(name, proposal, family)
     rate = stats["accepted"] / stats["drafted"]
     hist = stats["accept_hist"]
-    assert rate > MIN_ACCEPT_RATE, f"{name}/{proposal}: acceptance rate {rate:.3f} <= {MIN_ACCEPT_RATE}"
+    assert rate > MIN_ACCEPT_RATE, f"{family} {name}/{proposal}: acceptance rate {rate:.3f} <= {MIN_ACCEPT_RATE}"
     assert hist[0] > 0.05 * hist.sum() and hist[2:].sum() > 0.05 * hist.sum(), (
-        f"{name}/{proposal}: rounds must both reject the first draft (residual path) and accept two or more "
+        f"{family} {name}/{proposal}: rounds must both reject the first draft (residual path) and accept two or more "
         f"(tokens 2 and 3 both drafts) often; accept_hist {hist.tolist()}")
 
 

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from conftest import tiny_drafter, tiny_target
 from dflash_jax import train
 from dflash_jax.config import CheckpointError, default_target_layer_ids
-from dflash_jax.io.checkpoints import read_drafter, write_target
+from dflash_jax.io.checkpoints import make_drafter, read_drafter, write_target
 
 F32 = dict(compute_dtype="float32")
 
@@ -37,8 +37,8 @@ def _inference_block(drafter, target, taps, tokens_row, anchor):
     noise = 10.0 * jax.random.normal(jax.random.key(0), taps.shape)
     ctx = jnp.where(jnp.arange(t)[:, None] < anchor, taps, noise)
     cache = drafter.init_state(1, t + drafter.config.block_size)
-    cache, _ = drafter.ingest(cache, ctx[None], jnp.zeros((1,), jnp.int32))
-    cache = cache.replace(seq_len=jnp.reshape(anchor, (1,)).astype(jnp.int32))
+    cache, pending = drafter.ingest(cache, ctx[None], jnp.zeros((1,), jnp.int32))
+    cache = drafter.commit(cache, pending, jnp.reshape(anchor, (1,)).astype(jnp.int32))
     x = drafter.block_input(target, jnp.reshape(tokens_row[anchor], (1,)))
     h = drafter.draft_hidden(cache, x)
     return h[0], drafter.harvest_logits(target, h)[0]
@@ -121,14 +121,48 @@ def test_drafter_loss_and_metrics_equal_a_per_block_inference_reference(target, 
                                err_msg="slot_acc compares each row with the target's argmax at that position")
 
 
+def test_dspark_loss_scores_shifted_rows_through_the_markov_chain_and_trains_its_confidence(target):
+    """Per block, by hand: rows 0..b-1 predict offsets 1..b with `W1[text token before the slot] @ W2`
+    added, and the confidence head's cross-entropy targets whether each slot's argmax is the target's."""
+    cfg, params = train.init_drafter(target.config, num_layers=2, block_size=4, mask_token_id=63, family="dspark",
+                                     markov_rank=4, confidence=True, target_layer_ids=(0, 2), seed=3)
+    params = jax.tree.map(lambda x: 10 * x, params)  # heads large enough to matter
+    drafter = make_drafter(cfg, params)
+    tokens = np.random.default_rng(1).integers(2, 60, (2, 12)).astype(np.int32)
+    anchors = np.array([[2, 5], [1, 7]], np.int32)
+    gamma, alpha = 1.5, 0.7
+    loss_fn = jax.jit(functools.partial(train.drafter_loss, target_cfg=target.config, cfg=cfg, dtype=jnp.float32,
+                                        weights=train.loss_weights(5, gamma), confidence_weight=alpha))
+    loss, metrics = loss_fn(params, target.params, jnp.asarray(tokens), jnp.asarray(anchors))
+    taps, _ = _train_hidden(drafter, target, jnp.asarray(tokens), jnp.asarray(anchors))
+    target_choice = np.asarray(jnp.argmax(target.full_logits(tokens), axis=-1))
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    w = np.exp(-np.arange(4) / gamma)
+    ce_total, bce = 0.0, []
+    for row in range(2):
+        for a in anchors[row]:
+            h, logits = _inference_block(drafter, target, taps[row], jnp.asarray(tokens[row]), a)
+            prev = tokens[row, a:a + 4]  # the text's token before each slot: the anchor, then slots 1..3
+            emb = p["markov_w1"][prev]
+            logits = np.asarray(logits, np.float64) + emb @ p["markov_w2"]
+            want = tokens[row, a + 1:a + 5]
+            ce_total += float((w * (np.log(np.exp(logits).sum(-1)) - logits[np.arange(4), want])).sum())
+            raw = np.concatenate([np.asarray(h, np.float64), emb], -1) @ p["confidence_w"][:, 0] + p["confidence_b"][0]
+            hit = logits.argmax(-1) == target_choice[row, a:a + 4]
+            bce += list(np.log1p(np.exp(raw)) - raw * hit)
+    expected = ce_total / (4 * w.sum()) + alpha * np.mean(bce)
+    assert abs(float(loss) - expected) < 1e-4 * max(1.0, expected), f"loss {float(loss)} != reference {expected}"
+    assert abs(float(metrics["confidence_bce"]) - np.mean(bce)) < 1e-4
+
+
 def test_sample_anchors_are_distinct_and_leave_context_and_a_whole_block():
     rng = np.random.default_rng(0)
-    anchors = train.sample_anchors(rng, 64, 5, seq_len=12, block_size=4)
+    anchors = train.sample_anchors(rng, 64, 5, seq_len=12, span=4)
     assert anchors.min() >= 1 and anchors.max() <= 12 - 4, f"anchors outside [1, 8]: {anchors.min()}..{anchors.max()}"
     assert all(len(set(r)) == 5 for r in anchors.tolist()), "anchors of a sequence must be distinct"
     assert set(anchors.ravel().tolist()) == set(range(1, 9)), "every admissible anchor should be drawn sometimes"
     with pytest.raises(ValueError, match="anchors_per_seq 9 exceeds the 8 possible anchors"):
-        train.sample_anchors(rng, 1, 9, seq_len=12, block_size=4)
+        train.sample_anchors(rng, 1, 9, seq_len=12, span=4)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -176,6 +210,23 @@ def trained(tmp_path_factory):
     new = train.train_drafter(target, data, cfg, params, tc, out_dir=out, progress=False, history=history)
     after = train.evaluate_drafter(target, data, cfg, new, tc, n_batches=2)
     return dict(target=target, cfg=cfg, params=new, before=before, after=after, out=out, history=history)
+
+
+def test_a_dspark_drafter_trains_exports_and_loads_with_its_heads(tmp_path):
+    target = tiny_target(seed=3)
+    cfg, params = train.init_drafter(target.config, num_layers=1, block_size=4, mask_token_id=1, seed=0,
+                                     family="dspark", markov_rank=8, confidence=True)
+    data = np.random.default_rng(2).integers(2, 64, 24)
+    tc = train.TrainConfig(steps=30, batch_size=2, seq_len=24, anchors_per_seq=6, lr=1e-2, warmup_steps=3,
+                           log_every=10, **F32)
+    before = train.evaluate_drafter(target, data, cfg, params, tc, n_batches=2)
+    new = train.train_drafter(target, data, cfg, params, tc, out_dir=tmp_path, progress=False)
+    after = train.evaluate_drafter(target, data, cfg, new, tc, n_batches=2)
+    assert after["loss"] < 0.5 * before["loss"], f"30 steps on one window should fit it: {before} -> {after}"
+    loaded = read_drafter(tmp_path, target.config, env={})
+    assert (loaded.config.family, loaded.config.harvest, loaded.config.n_drafts) == ("dspark", "dspark", 4)
+    assert (loaded.config.markov_rank, loaded.config.confidence_in_dim) == (8, target.config.hidden_size + 8)
+    assert loaded.config.verify_policy == "confidence-slot", "a head-carrying checkpoint defaults to confidence-slot"
 
 
 def test_training_steps_reduce_the_loss_on_a_repeated_batch(trained):

@@ -1,4 +1,5 @@
-"""Demo pair, step 4: train a DFlash drafter (block 16) for the demo target and export it.
+"""Demo pair, step 4: train a DFlash (or, with `--family dspark`, DSpark) drafter (block 16) for the demo
+target and export it.
 
     python bench/demo_pair/train_drafter.py --target .work/demo/target --data .work/demo/tok --out .work/demo/drafter
 
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from dflash_jax import train  # noqa: E402
 from dflash_jax.io.checkpoints import read_target  # noqa: E402
+from dflash_jax.train.cli import add_family_args, family_kwargs  # noqa: E402
 
 MAX_PARAMS = 3_000_000
 BLOCK_SIZE = 16
@@ -55,6 +57,7 @@ def main(argv=None) -> None:
                         help="drafter targets: the text's tokens, or the target's argmax (TrainConfig.labels)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="stop training after this many seconds (the schedule still spans --steps)")
+    add_family_args(parser)
     args = parser.parse_args(argv)
 
     target = read_target(args.target, dtype=args.dtype)
@@ -63,7 +66,7 @@ def main(argv=None) -> None:
     if mask_id is None:
         raise ValueError(f"{args.target / 'tokenizer.json'} has no {MASK_TOKEN} token")
     dcfg, dparams = train.init_drafter(cfg, num_layers=args.layers, block_size=BLOCK_SIZE, mask_token_id=mask_id,
-                                       seed=args.seed)
+                                       seed=args.seed, **family_kwargs(args))
     n_params = train.param_count(dparams)
     print(f"drafter: {n_params:,} parameters, {dcfg.num_layers} layers, taps {list(dcfg.target_layer_ids)}, "
           f"block size {dcfg.block_size}, mask token {mask_id}", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Mapping, Optional
 
 from dflash_jax.config import policy
@@ -30,8 +31,10 @@ class DrafterConfig(AttentionWidths):
     `layer_window[i]` is the sliding window of draft layer i, or None for full attention.
     `causal[i]` says whether block rows of layer i attend causally inside the block.
     `reasons` records why the census decided what it did (shown by `dflash-jax inspect`).
-    The family-specific sizes (`markov_rank`, `confidence_in_dim` for DSpark §5;
-    `selector_*`, `conv_*` for DFlash2 §6) are None when the family has no such head.
+    The family-specific sizes (`markov_rank`, `confidence_in_dim` for DSpark; `selector_*`,
+    `conv_*` for DFlash2) are None when the family has no such head. DSpark's settings:
+    `verify_policy` with `verify_tau` and `adapt` (the ladder follows acceptance when on, else
+    stays at the cap), and `markov` (the Markov head is used); None/False for other families.
     """
 
     family: str  # 'dflash' | 'dspark' | 'dflash2'
@@ -63,6 +66,11 @@ class DrafterConfig(AttentionWidths):
     selector_top_k: Optional[int] = None
     conv_kernel_size: Optional[int] = None
     conv_group_size: Optional[int] = None
+    verify_policy: Optional[str] = None  # DSpark: 'ladder' | 'confidence' | 'confidence-slot'
+    verify_tau: float = 0.5
+    adapt: bool = False
+    markov: bool = False
+    verify_budget: Optional[int] = None  # DSpark: drafts examined per round across the batch
 
     @property
     def first_row(self) -> int:
@@ -102,6 +110,8 @@ SELECTOR_TENSORS = (
 )
 _DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
 _NOT_OVERRIDABLE = ("family", "reasons", "warnings")
+DSPARK_SETTINGS = ("verify_policy", "verify_tau", "adapt", "markov", "verify_budget")
+_DSPARK_ENV = ("DFLASH_VT", "DFLASH_VT_TAU", "DFLASH_ADAPT", "DFLASH_MARKOV", "DFLASH_VERIFY_BUDGET")
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DrafterConfig) if f.name not in _NOT_OVERRIDABLE)
 
 
@@ -294,6 +304,41 @@ def _validate_drafter(cfg: DrafterConfig) -> None:
         raise CheckpointError("DFlash2 checkpoint carries markov/confidence heads: no such DFlash2 variant exists")
 
 
+def _dspark_settings(family: str, sizes: Mapping, given: Mapping, env: Optional[Mapping]) -> tuple:
+    """(DSpark setting fields, reasons): the verify-window policy and the Markov switch (docs/architecture.md,
+    "Policy"). Other families refuse them rather than ignore them."""
+    env = os.environ if env is None else env
+    if family != "dspark":
+        set_env = [k for k in _DSPARK_ENV if env.get(k)]
+        if given or set_env:
+            raise CheckpointError(
+                f"{', '.join([*given, *set_env])} set for a {FAMILY_NAMES[family]} drafter: the verify-window "
+                "policies and the Markov switch are DSpark settings; this family verifies a fixed window "
+                "(verify_t / DFLASH_VERIFY_T caps it)")
+        return {}, ()
+    try:
+        vt, tau, adapt, why = policy.verify_policy(given.get("verify_policy"), given.get("verify_tau"),
+                                                   given.get("adapt"), "confidence_in_dim" in sizes, env)
+        markov, source = policy.switch("markov", given.get("markov"), "markov_rank" in sizes, env)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    if markov and "markov_rank" not in sizes:
+        raise CheckpointError(f"markov on ({source}) but the checkpoint has no markov_head tensors; "
+                              "choices: markov=False / DFLASH_MARKOV=0")
+    try:
+        budget = policy.verify_budget(given.get("verify_budget"), env)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    reasons = [why, f"markov head {'on' if markov else 'off'} ({source})"]
+    if budget is not None:
+        if vt == "ladder":
+            raise CheckpointError(f"verify_budget {budget} spends drafts by confidence; the verify policy is "
+                                  "ladder. Choices: a confidence policy (needs the confidence head), or no budget")
+        reasons.append(f"batch verify budget {budget} drafts a round, spent on the highest running products")
+    return ({"verify_policy": vt, "verify_tau": tau, "adapt": adapt, "markov": markov, "verify_budget": budget},
+            tuple(reasons))
+
+
 def check_fits_target(cfg: DrafterConfig, target) -> tuple:
     """Refuse a drafter that cannot sit on `target` (any family's config with `hidden_size`,
     `vocab_size` and `num_layers`); return warnings for soft mismatches. The one check used by
@@ -378,6 +423,8 @@ def drafter_census(
             "the anchor row is not a draft); the shifted harvest would verify every slot one position "
             "early. Choices for DFlash2: dflash"
         )
+    dspark, dspark_reasons = _dspark_settings(family, sizes, {k: overrides.pop(k) for k in DSPARK_SETTINGS
+                                                               if k in overrides}, env)
     vocab = d.get("vocab_size") if d.get("vocab_size") is not None else target and target.vocab_size
     softcap = pick("final_logit_softcapping")
     fields = dict(
@@ -403,6 +450,7 @@ def drafter_census(
         attention_bias=bool(d.get("attention_bias", False)),
         num_target_layers=num_target_layers,
         **sizes,
+        **dspark,
     )
     fields.update(overrides)
     cfg = DrafterConfig(**fields)
@@ -410,28 +458,29 @@ def drafter_census(
     harvest_why = (f"harvest {harvest}: {harvest_reason}" if source == "census" else
                    f"harvest {harvest} from {source} (census default {harvest_default}: {harvest_reason})")
     reasons = [family_reason, harvest_why, ids_reason, causal_reason,
-               *size_reasons, *(f"override {k}={v!r} (keyword)" for k, v in sorted(overrides.items()))]
+               *size_reasons, *dspark_reasons, *(f"override {k}={v!r} (keyword)" for k, v in sorted(overrides.items()))]
     warnings = list(check_fits_target(cfg, target)) if target is not None else []
     return dataclasses.replace(cfg, reasons=tuple(reasons), warnings=tuple(warnings))
 
 
 def drafter_to_hf_config(cfg: DrafterConfig) -> dict:
-    """A z-lab DFlashDraftModel `config.json` that `drafter_census` reads back to `cfg`.
-
-    Only DFlash (mask-fill) drafters have this encoding; per-layer causality must follow the
-    default rule or be uniform, and all sliding layers must share one window.
+    """A `config.json` that `drafter_census` reads back to `cfg`: z-lab `DFlashDraftModel` for DFlash
+    (mask-fill harvest), `DSparkDraftModel` with `projector_type` "dspark" and its heads for DSpark
+    (shifted harvest). Per-layer causality must follow the default rule or be uniform, and all
+    sliding layers must share one window. DSpark's runtime settings (verify policy, Markov switch)
+    are not part of a checkpoint.
     """
-    if cfg.family != "dflash" or cfg.harvest != "dflash":
+    if (cfg.family, cfg.harvest) not in (("dflash", "dflash"), ("dspark", "dspark")):
         raise ValueError(
-            f"only DFlash drafters with the mask-fill harvest can be written as DFlashDraftModel; "
-            f"got family {cfg.family!r}, harvest {cfg.harvest!r}"
+            f"only DFlash drafters with the mask-fill harvest and DSpark drafters with the shifted harvest can be "
+            f"written; got family {cfg.family!r}, harvest {cfg.harvest!r}"
         )
     windows = sorted({w for w in cfg.layer_window if w is not None})
     if len(windows) > 1:
         raise ValueError(f"sliding layers use different windows {windows}; the config format holds one")
     sliding = tuple(w is not None for w in cfg.layer_window)
     out = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DSparkDraftModel" if cfg.family == "dspark" else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -460,5 +509,11 @@ def drafter_to_hf_config(cfg: DrafterConfig) -> dict:
     for key, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
         if getattr(cfg, key) != default:
             nested[key] = getattr(cfg, key)
+    if cfg.family == "dspark":
+        nested["projector_type"] = "dspark"
+        if cfg.markov_rank is not None:
+            nested["markov_rank"] = cfg.markov_rank
+        nested["enable_confidence_head"] = cfg.confidence_in_dim is not None
+        nested["confidence_head_with_markov"] = cfg.confidence_in_dim is not None and cfg.confidence_in_dim > cfg.hidden_size
     out["dflash_config"] = nested
     return out

@@ -24,13 +24,17 @@ def resolution(
     census_default: str,
     choices: Sequence[str],
     env: Optional[Mapping[str, str]] = os.environ,
+    env_key: Optional[str] = None,
 ) -> tuple[str, str]:
-    """(value, source) where source says who decided: 'keyword', 'DFLASH_<NAME>' or 'census'."""
+    """(value, source) where source says who decided: 'keyword', 'DFLASH_<NAME>' or 'census'.
+
+    `env_key` names the variable when it differs from the keyword (`verify_policy` -> DFLASH_VT)."""
     env = os.environ if env is None else env
+    var = env_name(env_key or name)
     if kwarg is not None:
         value, source = kwarg, "keyword"
-    elif env.get(env_name(name)):
-        value, source = env[env_name(name)], env_name(name)
+    elif env.get(var):
+        value, source = env[var], var
     else:
         value, source = census_default, "census"
     if value not in choices:
@@ -71,6 +75,55 @@ def verify_cap(kwarg: Optional[int], n_drafts: int, env: Optional[Mapping[str, s
     return cap
 
 
+def verify_budget(kwarg, env: Optional[Mapping[str, str]] = os.environ) -> Optional[int]:
+    """DSpark's batch verify budget, drafts examined per round across the batch: keyword >
+    DFLASH_VERIFY_BUDGET > None (every row sized alone)."""
+    env = os.environ if env is None else env
+    raw, source = (kwarg, "verify_budget (keyword)") if kwarg is not None else (
+        env.get(env_name("verify_budget")) or None, env_name("verify_budget"))
+    if raw is None:
+        return None
+    value = raw if isinstance(raw, int) and not isinstance(raw, bool) else (
+        int(raw) if isinstance(raw, str) and raw.strip().isdigit() else None)
+    if value is None or value < 1:
+        raise ValueError(f"{source}={raw!r}: the verify budget must be a positive integer (drafts a round)")
+    return value
+
+
+DEFAULT_VERIFY_BUCKETS = (4, 8)
+BUCKETS_FROM_BATCH = 16
+
+
+def verify_buckets(kwarg, n_drafts: int, batch: int = 1, varies_width: bool = False,
+                   env: Optional[Mapping[str, str]] = os.environ) -> tuple:
+    """Static verify widths below the full block: keyword (a sequence of ints; () for none) >
+    DFLASH_VERIFY_BUCKETS ("4,8"; "none") > default. Each must be in 2..n_drafts (n_drafts + 1, the
+    full block, is always there).
+
+    The default follows the H200 measurement (bench/results/verify_width.json): buckets (4, 8) cut a
+    round by 16% (batch 16) to 57% (batch 64) when rows ask for 4 rows, cost 1-5% at batch 1 and up to
+    12% when every row wants the full block. So they are on for drafters whose widths vary
+    (`Drafter.varies_width`) at batch >= 16, and off otherwise."""
+    env = os.environ if env is None else env
+    raw, source = (kwarg, "verify_buckets (keyword)") if kwarg is not None else (
+        env.get(env_name("verify_buckets")) or None, env_name("verify_buckets"))
+    if raw is None:
+        wanted = varies_width and batch >= BUCKETS_FROM_BATCH
+        return tuple(w for w in DEFAULT_VERIFY_BUCKETS if w <= n_drafts) if wanted else ()
+    if isinstance(raw, str) and raw.strip().lower() == "none":
+        return ()
+    parts = raw.split(",") if isinstance(raw, str) else list(raw)
+    try:
+        widths = tuple(sorted({int(p) for p in parts if not isinstance(p, bool) and str(p).strip()}))
+    except (TypeError, ValueError):
+        widths = None
+    if widths is None or len(widths) != len([p for p in parts if str(p).strip()]) or \
+            any(not 2 <= w <= n_drafts for w in widths):
+        raise ValueError(f"{source}={raw!r}: verify buckets must be distinct integers in 2..{n_drafts} "
+                         f"(n_drafts; the full block {n_drafts + 1} is always a bucket)")
+    return widths
+
+
 def clamp_vt(m_plus_2, cap: int):
     """Ladder window after a round that accepted m: clamp m + 2 to [min(3, cap), cap].
 
@@ -96,3 +149,61 @@ def attention_impl(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]]
 
     default = "pallas" if (backend or jax.default_backend()) == "gpu" else "xla"
     return resolve_choice("attention", kwarg, default, ATTENTION_IMPLS, env)
+
+
+VERIFY_POLICIES = ("ladder", "confidence", "confidence-slot")
+SWITCHES = ("0", "1")
+
+
+def switch(name: str, kwarg: Optional[bool], default: bool, env: Optional[Mapping[str, str]] = os.environ):
+    """An on/off setting: keyword (bool) > `DFLASH_<NAME>=0|1` > default. Returns `(value, source)`."""
+    if kwarg is not None and not isinstance(kwarg, bool):
+        raise ValueError(f"{name}={kwarg!r} (keyword): expected True or False")
+    value, source = resolution(name, None if kwarg is None else str(int(kwarg)), str(int(default)), SWITCHES, env)
+    return value == "1", source
+
+
+def verify_tau(kwarg, env: Optional[Mapping[str, str]] = os.environ) -> Optional[float]:
+    """The confidence threshold tau in (0, 1): keyword > DFLASH_VT_TAU > None (unset)."""
+    env = os.environ if env is None else env
+    raw, source = (kwarg, "verify_tau (keyword)") if kwarg is not None else (env.get(env_name("vt_tau")) or None,
+                                                                            env_name("vt_tau"))
+    if raw is None:
+        return None
+    try:
+        tau = float(raw)
+    except (TypeError, ValueError):
+        tau = float("nan")
+    if isinstance(raw, bool) or not 0.0 < tau < 1.0:
+        raise ValueError(f"{source}={raw!r}: the confidence threshold tau must be a number in (0, 1)")
+    return tau
+
+
+def verify_policy(kwarg: Optional[str], tau, adapt: Optional[bool], has_confidence_head: bool,
+                  env: Optional[Mapping[str, str]] = os.environ) -> tuple:
+    """DSpark's verify-window policy as the original resolves it: `(policy, tau, adapt, reason)`.
+
+    Keyword `verify_policy` > DFLASH_VT; `verify_tau` > DFLASH_VT_TAU; `adapt` > DFLASH_ADAPT.
+    Unset, a checkpoint with a confidence head gets `confidence-slot` at tau 0.5 and one without
+    gets `ladder`; adapt off pins the ladder at the cap. A confidence policy with adapt off is
+    contradictory, and one without the head has nothing to read: both are refused.
+    """
+    adapt_on, adapt_source = switch("adapt", adapt, True, env)
+    value, source = resolution("verify_policy", kwarg, "ladder", VERIFY_POLICIES, env, env_key="vt")
+    tau_value = verify_tau(tau, env)
+    if source == "census":
+        if not adapt_on or not has_confidence_head:
+            why = "adapt off" if not adapt_on else "no confidence head"
+            return "ladder", 0.5, adapt_on, f"verify policy ladder ({why}), adapt {int(adapt_on)} from {adapt_source}"
+        value = "confidence-slot"
+    if value == "ladder":
+        return "ladder", 0.5, adapt_on, f"verify policy ladder from {source}, adapt {int(adapt_on)} from {adapt_source}"
+    if not adapt_on:
+        shown = "adapt=False (keyword)" if adapt_source == "keyword" else f"{adapt_source}=0"
+        raise ValueError(f"verify policy {value!r} ({source}) with {shown} is contradictory: a pinned fixed "
+                         "window against a per-round confidence window; unset one")
+    if not has_confidence_head:
+        raise ValueError(f"verify policy {value!r} ({source}) needs a confidence head "
+                         "(confidence_head.proj.*), which this checkpoint does not have; choices: ladder")
+    tau_value = 0.5 if tau_value is None else tau_value
+    return value, tau_value, True, f"verify policy {value} at tau {tau_value:g} from {source}"

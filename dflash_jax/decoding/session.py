@@ -40,11 +40,14 @@ class Session:
     `max_new_tokens` need; a prompt that does not fit is refused naming both numbers.
     `inject` replaces the drafter's proposals (see `speculative.Injected`; tests, benchmarks).
     `verify_t` caps the anchor plus drafts examined per round (keyword > DFLASH_VERIFY_T > nd + 1).
+    `verify_buckets` are static block widths a round may verify instead of the full block
+    (keyword > DFLASH_VERIFY_BUCKETS > `policy.verify_buckets`'s measured default; see `speculative.Loop`).
     """
 
     def __init__(self, target: Target, drafter: Drafter, prompts, *, max_new_tokens: int, stop_tokens=(),
                  sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
-                 impl: Optional[str] = None, inject: Optional[spec.Injected] = None, verify_t: Optional[int] = None):
+                 impl: Optional[str] = None, inject: Optional[spec.Injected] = None, verify_t: Optional[int] = None,
+                 verify_buckets=None):
         check_fits_target(drafter.config, target.config)
         impl = policy.attention_impl(impl)
         smp.check_speculative(sampling)
@@ -59,7 +62,8 @@ class Session:
         if inject is not None and not all_greedy:
             raise ValueError("injected proposals copy the greedy continuation: use temperature 0 with inject=")
         self.loop = spec.Loop(int(max_new_tokens), p.chunk, all_greedy, rows[0].proposal, impl,
-                              policy.verify_cap(verify_t, nd))
+                              policy.verify_cap(verify_t, nd),
+                              policy.verify_buckets(verify_buckets, nd, p.batch, drafter.varies_width))
         self.target, self.drafter = target, drafter
         self.stop_tokens = stop_array(stop_tokens, target.config.vocab_size)
         t0 = time.perf_counter()

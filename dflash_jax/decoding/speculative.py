@@ -99,6 +99,9 @@ class Loop:
     distribution, dense q). impl: attention implementation ('xla' | 'pallas').
     verify_cap: the largest verify width (anchor plus drafts examined per round, 2..nd + 1);
     it never changes the output, only how many drafts may be accepted.
+    verify_buckets: static block widths below nd + 1. Each round verifies the smallest bucket
+    that holds every active row's verify width (`lax.switch`), the full block when none does;
+    () always verifies the full block. The output is the same either way; the cost is not.
     """
 
     max_new_tokens: int
@@ -107,6 +110,7 @@ class Loop:
     proposal: str
     impl: str
     verify_cap: int
+    verify_buckets: tuple = ()
 
     @property
     def settings(self) -> ProposeSettings:
@@ -178,12 +182,14 @@ class Loop:
         nd = drafter.n_drafts
         active = ~s.done
         slots = jnp.arange(nd + 1)[None, :]
-        emitted = jnp.where(slots == m[:, None], nxt[:, None], jnp.pad(prop.drafts, ((0, 0), (0, 1))))
+        width = prop.drafts.shape[1] + 1
+        emitted = jnp.where(jnp.arange(width)[None, :] == m[:, None], nxt[:, None],
+                            jnp.pad(prop.drafts, ((0, 0), (0, 1))))
         out, n_out, kept, stopped = append_tokens(s.out, s.n_out, emitted, m + 1, s.done, stop_tokens, s.limit)
         done = s.done | stopped | (n_out >= s.max_new)
         anchor = jnp.where(kept > 0, jnp.take_along_axis(emitted, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0], s.anchor)
         tstate = target.commit(tstate, pending, kept)
-        dstate, dpending = drafter.ingest(s.drafter_state, taps, s.target_state.seq_len)
+        dstate, dpending = drafter.ingest(s.drafter_state, taps, s.target_state.seq_len, prop)
         dstate = drafter.commit(dstate, dpending, kept)
 
         a = active.astype(jnp.int32)
@@ -197,8 +203,17 @@ class Loop:
     def round(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
         """Propose -> verify -> accept -> append -> commit (roll back) -> ingest."""
         prop = self.propose(target, drafter, s)
-        tstate, pending, m, nxt, taps = self.verify(target, drafter, s, prop)
-        return self.advance(target, drafter, s, prop, tstate, pending, m, nxt, taps, stop_tokens)
+
+        def finish(width: int) -> SpecState:
+            p = narrow(prop, width)
+            tstate, pending, m, nxt, taps = self.verify(target, drafter, s, p)
+            return self.advance(target, drafter, s, p, tstate, pending, m, nxt, taps, stop_tokens)
+
+        widths = (*sorted(set(self.verify_buckets)), prop.drafts.shape[1] + 1)
+        if len(widths) == 1:
+            return finish(widths[0])
+        need = jnp.max(jnp.where(s.done, 2, prop.verify_width))
+        return jax.lax.switch(jnp.sum(jnp.asarray(widths) < need), [functools.partial(finish, w) for w in widths])
 
     def run(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
         """Rounds until every row is done or has reached its limit."""
@@ -212,6 +227,15 @@ class Loop:
             return r.replace(done=s.done | (r.done & ~paused))
 
         return jax.lax.while_loop(cond, body, s)
+
+
+def narrow(prop: Proposal, width: int) -> Proposal:
+    """The proposal cut to a block of `width` rows (the anchor and its first width - 1 drafts)."""
+    if width == prop.drafts.shape[1] + 1:
+        return prop
+    cut = functools.partial(jax.tree.map, lambda a: a[:, :width - 1])
+    return prop.replace(drafts=prop.drafts[:, :width - 1], q=cut(prop.q), verify_width=jnp.minimum(
+        prop.verify_width, width), logits=None if prop.logits is None else cut(prop.logits))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(5, 6))

@@ -65,6 +65,11 @@ class Drafter(struct.PyTreeNode, abc.ABC):
         return self.config.n_drafts
 
     @property
+    def varies_width(self) -> bool:
+        """Whether the family's verify widths vary by round and row (then bucketed verifies can pay)."""
+        return False
+
+    @property
     def tap_ids(self) -> tuple:
         """The target layers whose outputs the drafter reads (`Target.extend`'s `tap_ids`)."""
         return tuple(self.config.target_layer_ids)
@@ -74,10 +79,12 @@ class Drafter(struct.PyTreeNode, abc.ABC):
         """An empty drafter state (`seq_len` 0), every leaf a distinct buffer: the loops donate it."""
 
     @abc.abstractmethod
-    def ingest(self, state, taps: jax.Array, start: jax.Array):
+    def ingest(self, state, taps: jax.Array, start: jax.Array, proposal: Optional[Proposal] = None):
         """Context from the target: taps `[B, W, n_taps*H]` of positions `start[b] + i`.
 
-        Returns `(state, pending)`; `state.seq_len` is not moved until `commit`."""
+        `proposal` is the one whose block the target just verified (None for prompt context), for
+        families whose state follows their own rounds. Returns `(state, pending)`; `state.seq_len`
+        is not moved until `commit`."""
 
     @abc.abstractmethod
     def propose(self, state, target: Target, anchor: jax.Array, rp: smp.RowParams, counter: jax.Array,

@@ -15,7 +15,7 @@ T > 0, which draws each slot independently from its filtered distribution (dense
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import chex
 import jax
@@ -181,10 +181,15 @@ def block_mask(cfg: DrafterConfig, layer: int, anchors: jax.Array, seq_len: int)
     return jnp.concatenate([ctx, blk], axis=-1)
 
 
+def init_args(cfg: DrafterConfig) -> tuple:
+    """A one-block input for `init` (taps, block rows, anchors)."""
+    return (jnp.zeros((1, 1, cfg.n_taps * cfg.hidden_size)), jnp.zeros((1, 1, cfg.block_size, cfg.hidden_size)),
+            jnp.ones((1, 1), jnp.int32))
+
+
 def init_params(cfg: DrafterConfig, seed: int = 0) -> dict:
     """Float32 params: N(0, 0.02) weights, norms ones (traced on one block)."""
-    return init_module(DFlashModule, cfg, seed, jnp.zeros((1, 1, cfg.n_taps * cfg.hidden_size)),
-                       jnp.zeros((1, 1, cfg.block_size, cfg.hidden_size)), jnp.ones((1, 1), jnp.int32))
+    return init_module(DFlashModule, cfg, seed, *init_args(cfg))
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,14 +201,16 @@ def param_shapes(cfg: DrafterConfig):
 class DFlashDrafter(Drafter):
     """A DFlash drafter: `DFlashModule` applied purely to `params`; its state is the draft context cache."""
 
+    module_cls = DFlashModule
+
     def _apply(self, method, *args):
-        return DFlashModule(self.config).apply({"params": self.params}, *args, method=method)
+        return self.module_cls(self.config).apply({"params": self.params}, *args, method=method)
 
     def init_state(self, batch: int, capacity: int) -> KVCache:
         c = self.config
         return init_kv(batch, capacity, c.num_layers, c.num_kv_heads, c.head_dim, self.params["fc"].dtype)
 
-    def ingest(self, state: KVCache, taps: jax.Array, start: jax.Array):
+    def ingest(self, state: KVCache, taps: jax.Array, start: jax.Array, proposal: Optional[Proposal] = None):
         return self._apply(DFlashModule.ingest, state, taps, start), start
 
     def commit(self, state: KVCache, pending: jax.Array, kept: jax.Array) -> KVCache:

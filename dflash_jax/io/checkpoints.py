@@ -24,8 +24,8 @@ from dflash_jax.config import (
     target_to_hf_config,
 )
 from dflash_jax.config import drafter_census as config_drafter_census
-from dflash_jax.config.drafters import CONFIDENCE_TENSORS, MARKOV_TENSORS, SELECTOR_TENSORS
-from dflash_jax.drafters import dflash, dflash_names
+from dflash_jax.config.drafters import SELECTOR_TENSORS
+from dflash_jax.drafters import dflash, dflash_names, dspark, dspark_names
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.io import names
 from dflash_jax.io.safetensors import (
@@ -84,9 +84,11 @@ class Family:
 _DENSE = Family(dense.DenseTarget, dense.param_shapes, dense_names.name_map, dense.init_params)
 TARGET_FAMILIES = {"qwen3": _DENSE, "llama": _DENSE}
 """Target families by `TargetConfig.arch`."""
-DRAFTER_FAMILIES = {"dflash": Family(dflash.DFlashDrafter, dflash.param_shapes, dflash_names.name_map,
-                                     dflash.init_params)}
-"""Drafter families that run, by `DrafterConfig.family` (the census also recognises DSpark and DFlash2)."""
+DRAFTER_FAMILIES = {
+    "dflash": Family(dflash.DFlashDrafter, dflash.param_shapes, dflash_names.name_map, dflash.init_params),
+    "dspark": Family(dspark.DSparkDrafter, dspark.param_shapes, dspark_names.name_map, dspark.init_params),
+}
+"""Drafter families that run, by `DrafterConfig.family` (the census also recognises DFlash2)."""
 
 
 def target_family(cfg: TargetConfig) -> Family:
@@ -153,30 +155,26 @@ def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[i
 # ---------------------------------------------------------------------------------------
 # Drafter.
 
-def _head_tensor_shapes(cfg: DrafterConfig) -> dict:
-    """The DSpark and DFlash2 tensors beyond the DFlash backbone (recognised by the census; their
-    modules are not implemented yet, so their names live here rather than beside a module)."""
+def _dflash2_tensor_shapes(cfg: DrafterConfig) -> dict:
+    """The DFlash2 tensors beyond the DFlash backbone (recognised by the census; the family's module
+    is not implemented yet, so its names live here rather than beside a module)."""
     h, vocab, shapes = cfg.hidden_size, cfg.vocab_size, {}
-    if cfg.family == "dflash2":
-        k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
-        for i in range(cfg.num_layers):
-            for conv in ("attention_conv", "mlp_conv"):
-                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
-                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
-        shapes.update({SELECTOR_TENSORS[0]: (vocab, cfg.selector_rank), SELECTOR_TENSORS[1]: (vocab, cfg.selector_rank),
-                       SELECTOR_TENSORS[2]: (cfg.selector_rank, h)})
-    if cfg.markov_rank is not None:
-        shapes.update({MARKOV_TENSORS[0]: (vocab, cfg.markov_rank), MARKOV_TENSORS[1]: (vocab, cfg.markov_rank)})
-    if cfg.confidence_in_dim is not None:
-        shapes.update({CONFIDENCE_TENSORS[0]: (1, cfg.confidence_in_dim), CONFIDENCE_TENSORS[1]: (1,)})
+    k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+    for i in range(cfg.num_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
+    shapes.update({SELECTOR_TENSORS[0]: (vocab, cfg.selector_rank), SELECTOR_TENSORS[1]: (vocab, cfg.selector_rank),
+                   SELECTOR_TENSORS[2]: (cfg.selector_rank, h)})
     return shapes
 
 
 def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
-    """Hugging Face tensor name -> shape that a drafter checkpoint of `cfg` must hold (no `model.` prefix):
-    the DFlash backbone from its name map, plus the family's heads."""
-    backbone = DRAFTER_FAMILIES["dflash"]
-    return {**backbone.hf_shapes(cfg), **_head_tensor_shapes(cfg)}
+    """Hugging Face tensor name -> shape that a drafter checkpoint of `cfg` must hold (no `model.` prefix),
+    from the family's name map (DFlash2: the DFlash backbone's plus its own tensors)."""
+    if cfg.family in DRAFTER_FAMILIES:
+        return DRAFTER_FAMILIES[cfg.family].hf_shapes(cfg)
+    return {**DRAFTER_FAMILIES["dflash"].hf_shapes(cfg), **_dflash2_tensor_shapes(cfg)}
 
 
 def drafter_census(d: Mapping, tensor_shapes: Optional[Mapping] = None, target: Optional[TargetConfig] = None, *,
@@ -201,7 +199,7 @@ def drafter_census(d: Mapping, tensor_shapes: Optional[Mapping] = None, target: 
 
 def unsupported_family_message(cfg: DrafterConfig) -> str:
     """The refusal for a drafter family the census recognises but dflash-jax cannot run yet."""
-    supported = ", ".join(f"{FAMILY_NAMES[f]} (DFlashDraftModel)" for f in DRAFTER_FAMILIES)
+    supported = ", ".join(f"{FAMILY_NAMES[f]} ({FAMILY_NAMES[f]}DraftModel)" for f in DRAFTER_FAMILIES)
     return (f"{FAMILY_NAMES[cfg.family]} drafter detected ({'; '.join(cfg.reasons)}): not yet implemented "
             f"in dflash-jax; supported: {supported}")
 

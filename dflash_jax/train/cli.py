@@ -25,13 +25,27 @@ MASK_TOKEN = "<|mask|>"
 EOT_TOKEN = "<|endoftext|>"
 
 
+def add_family_args(p) -> None:
+    """`--family`, `--markov-rank`, `--confidence`: which drafter family to train, with which heads."""
+    p.add_argument("--family", default="dflash", choices=["dflash", "dspark"],
+                   help="dflash: mask-fill (rows 1..b-1); dspark: shifted labels (rows 0..b-1) and optional heads")
+    p.add_argument("--markov-rank", type=int, help="DSpark: add a Markov head of this rank")
+    p.add_argument("--confidence", action="store_true", help="DSpark: add a confidence head (sizes verify windows)")
+
+
+def family_kwargs(args) -> dict:
+    """`init_drafter` keywords from `add_family_args`'s flags."""
+    return dict(family=args.family, markov_rank=args.markov_rank, confidence=args.confidence)
+
+
 def add_cli(subparsers) -> None:
     """Register `train-drafter` on an argparse subparsers object."""
     d = TrainConfig()
     p = subparsers.add_parser(
         "train-drafter",
-        help="train a DFlash drafter for a Hugging Face target on a text corpus",
-        description="Train a DFlash drafter (z-lab DFlashDraftModel format) for a frozen Qwen3/Llama target.",
+        help="train a DFlash or DSpark drafter for a Hugging Face target on a text corpus",
+        description="Train a DFlash (DFlashDraftModel) or DSpark (DSparkDraftModel) drafter for a frozen "
+                    "Qwen3/Llama target.",
     )
     p.add_argument("--target", required=True, help="target directory: config.json, *.safetensors, tokenizer.json")
     p.add_argument("--corpus", required=True,
@@ -59,6 +73,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--labels", default=d.labels, choices=LABELS,
                    help="data: the corpus's next tokens (published objective, default); target: the target's "
                         "argmax at each position (learns the target's choices from any text)")
+    add_family_args(p)
     p.set_defaults(func=cli_train_drafter)
 
 
@@ -93,7 +108,7 @@ def _prepare(args) -> tuple:
         separator = cfg.eos_token_ids[0]
     data = load_corpus(args.corpus, tokenizer, separator)
     dcfg, dparams = init_drafter(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask_id,
-                                 target_layer_ids=args.target_layer_ids, seed=args.seed)
+                                 target_layer_ids=args.target_layer_ids, seed=args.seed, **family_kwargs(args))
     check_drafter_for_target(cfg, dcfg, dparams, tc)
     check_token_stream(data, cfg.vocab_size, tc.seq_len, f"corpus {args.corpus}")
     return target, data, dcfg, dparams, tc

@@ -29,14 +29,16 @@ def sample_windows(rng: np.random.Generator, data: np.ndarray, batch_size: int, 
     return data[starts[:, None] + np.arange(length)]
 
 
-def sample_anchors(rng: np.random.Generator, batch_size: int, n_anchors: int, seq_len: int,
-                   block_size: int) -> np.ndarray:
-    """`int32 [batch_size, n_anchors]`, sorted per row: distinct anchors in `[1, seq_len - block_size]`."""
-    n_choices = seq_len - block_size
+def sample_anchors(rng: np.random.Generator, batch_size: int, n_anchors: int, seq_len: int, span: int) -> np.ndarray:
+    """`int32 [batch_size, n_anchors]`, sorted per row: distinct anchors in `[1, seq_len - span]`.
+
+    `span` is the anchor plus the slots it labels: the block size for the mask-fill harvest,
+    one more for the shifted one (its last row predicts the token after the block)."""
+    n_choices = seq_len - span
     if n_anchors > n_choices:
         raise ValueError(
             f"anchors_per_seq {n_anchors} exceeds the {n_choices} possible anchors of a window "
-            f"(seq_len {seq_len} - block_size {block_size}); lower anchors_per_seq or raise seq_len"
+            f"(seq_len {seq_len} - span {span}); lower anchors_per_seq or raise seq_len"
         )
     picks = np.argsort(rng.random((batch_size, n_choices)), axis=1)[:, :n_anchors]
     return (np.sort(picks, axis=1) + 1).astype(np.int32)

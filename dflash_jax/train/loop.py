@@ -51,7 +51,8 @@ class TrainConfig:
     `labels` picks the drafter's targets: "data" is the published objective (the text's own
     next tokens); "target" uses the frozen target's argmax at each position instead, which is
     what greedy verification checks, so text the target would not have written still teaches
-    the drafter the target's choices.
+    the drafter the target's choices. `confidence_weight` scales a DSpark confidence head's
+    cross-entropy against its slots' acceptance (the fixture's `confidence_head_alpha` is 1).
     """
 
     steps: int = 1000
@@ -69,6 +70,7 @@ class TrainConfig:
     log_every: int = 10
     time_budget_s: Optional[float] = None
     labels: str = "data"
+    confidence_weight: float = 1.0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq", "log_every"):
@@ -82,7 +84,7 @@ class TrainConfig:
                 "(the cosine decay needs at least one step)"
             )
         for name, low, inclusive in (("lr", 0.0, False), ("grad_clip", 0.0, False), ("gamma", 0.0, False),
-                                     ("weight_decay", 0.0, True)):
+                                     ("weight_decay", 0.0, True), ("confidence_weight", 0.0, True)):
             value = getattr(self, name)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or value < low or (value == low and not inclusive):
@@ -117,19 +119,30 @@ def init_target(cfg: TargetConfig, seed: int = 0) -> dict:
 
 def init_drafter(target_cfg: TargetConfig, *, num_layers: int, block_size: int, mask_token_id: int,
                  target_layer_ids=None, intermediate_size=None, num_heads=None, num_kv_heads=None,
-                 head_dim=None, seed: int = 0) -> tuple:
-    """(DrafterConfig, float32 params) of a fresh DFlash drafter for `target_cfg`.
+                 head_dim=None, seed: int = 0, family: str = "dflash", markov_rank: Optional[int] = None,
+                 confidence: bool = False) -> tuple:
+    """(DrafterConfig, float32 params) of a fresh drafter for `target_cfg`.
 
-    Shapes default to the target's; every layer is full attention, bidirectional inside the
-    block. `target_layer_ids` defaults to the first reference's rule (`[N // 2]` for one
-    draft layer, else `round(1 + i * (N - 4) / (n - 1))`). The config goes through the same
-    census `read_drafter` applies, so what is trained is what will be loaded.
+    `family` "dflash" (mask-fill) or "dspark" (shifted harvest; `markov_rank` adds a Markov
+    head, `confidence` a confidence head, fed the Markov embedding when there is one). Shapes
+    default to the target's; every layer is full attention, bidirectional inside the block.
+    `target_layer_ids` defaults to the first reference's rule (`[N // 2]` for one draft layer,
+    else `round(1 + i * (N - 4) / (n - 1))`). The config goes through the same census
+    `read_drafter` applies, so what is trained is what will be loaded.
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers {num_layers!r}: expected an integer >= 1")
+    if family not in ("dflash", "dspark"):
+        raise ValueError(f"family {family!r} cannot be trained; choices: dflash, dspark")
+    if family == "dflash" and (markov_rank is not None or confidence):
+        raise ValueError("markov_rank and confidence are DSpark heads; use family='dspark'")
     ids = default_target_layer_ids(target_cfg.num_layers, num_layers) if target_layer_ids is None else target_layer_ids
+    heads = {}
+    if family == "dspark":
+        heads = dict(harvest="dspark", markov_rank=markov_rank,
+                     confidence_in_dim=target_cfg.hidden_size + (markov_rank or 0) if confidence else None)
     cfg = DrafterConfig(
-        family="dflash",
+        family=family,
         hidden_size=target_cfg.hidden_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,
         num_layers=num_layers,
@@ -145,6 +158,7 @@ def init_drafter(target_cfg: TargetConfig, *, num_layers: int, block_size: int, 
         causal=(False,) * num_layers,
         vocab_size=target_cfg.vocab_size,
         num_target_layers=target_cfg.num_layers,
+        **heads,
     )
     cfg = drafter_census(drafter_to_hf_config(cfg), target=target_cfg, env={})
     return cfg, checkpoints.drafter_family(cfg).init(cfg, seed)
@@ -272,11 +286,15 @@ def _fit(loss_fn: Callable, params, frozen, tc: TrainConfig, next_batch: Callabl
 # Public trainers and evaluation.
 
 
+TRAINABLE = (("dflash", "dflash"), ("dspark", "dspark"))
+"""(family, harvest) pairs with an objective: DFlash mask-fill, DSpark shifted."""
+
+
 def check_drafter_for_target(target_cfg: TargetConfig, cfg: DrafterConfig, params, tc: TrainConfig) -> None:
-    if cfg.family != "dflash" or cfg.harvest != "dflash":
+    if (cfg.family, cfg.harvest) not in TRAINABLE:
         raise ValueError(
-            f"only DFlash drafters with the mask-fill harvest can be trained; got family {cfg.family!r}, "
-            f"harvest {cfg.harvest!r}"
+            f"only DFlash drafters with the mask-fill harvest and DSpark drafters with the shifted harvest can be "
+            f"trained; got family {cfg.family!r}, harvest {cfg.harvest!r}"
         )
     check_fits_target(cfg, target_cfg)
     if tc.seq_len > target_cfg.max_position_embeddings:
@@ -284,10 +302,11 @@ def check_drafter_for_target(target_cfg: TargetConfig, cfg: DrafterConfig, param
             f"TrainConfig.seq_len {tc.seq_len} exceeds the target's max_position_embeddings "
             f"{target_cfg.max_position_embeddings}"
         )
-    if tc.seq_len - cfg.block_size < tc.anchors_per_seq:
+    span = cfg.n_drafts + 1
+    if tc.seq_len - span < tc.anchors_per_seq:
         raise ValueError(
-            f"TrainConfig.anchors_per_seq {tc.anchors_per_seq} exceeds the {tc.seq_len - cfg.block_size} "
-            f"possible anchors (seq_len {tc.seq_len} - block_size {cfg.block_size})"
+            f"TrainConfig.anchors_per_seq {tc.anchors_per_seq} exceeds the {tc.seq_len - span} "
+            f"possible anchors (seq_len {tc.seq_len} - span {span}: the anchor and its {cfg.n_drafts} labels)"
         )
     checkpoints.drafter_family(cfg).check(cfg, params)
 
@@ -298,14 +317,14 @@ def _drafter(cfg: DrafterConfig, params):
 
 def _drafter_loss_fn(target_cfg: TargetConfig, cfg: DrafterConfig, tc: TrainConfig) -> Callable:
     return functools.partial(drafter_loss, target_cfg=target_cfg, cfg=cfg,
-                             weights=loss_weights(cfg.block_size, tc.gamma), dtype=jnp.dtype(tc.compute_dtype),
-                             labels=tc.labels)
+                             weights=loss_weights(cfg.n_drafts + 1, tc.gamma), dtype=jnp.dtype(tc.compute_dtype),
+                             labels=tc.labels, confidence_weight=tc.confidence_weight)
 
 
 def _drafter_batches(rng: np.random.Generator, data: np.ndarray, cfg: DrafterConfig, tc: TrainConfig) -> Callable:
     def next_batch():
         tokens = sample_windows(rng, data, tc.batch_size, tc.seq_len)
-        return tokens, sample_anchors(rng, tc.batch_size, tc.anchors_per_seq, tc.seq_len, cfg.block_size)
+        return tokens, sample_anchors(rng, tc.batch_size, tc.anchors_per_seq, tc.seq_len, cfg.n_drafts + 1)
 
     return next_batch
 
@@ -336,7 +355,7 @@ def train_drafter(target: Target, data, drafter_cfg: DrafterConfig, params: dict
     if out_dir is not None:
         checkpoints.write_drafter(out_dir, _drafter(drafter_cfg, params))
         write_log(os.path.join(os.fspath(out_dir), "train_log.json"), {
-            "kind": "dflash-drafter",
+            "kind": f"{drafter_cfg.family}-drafter",
             "train_config": dataclasses.asdict(tc),
             "drafter_config": drafter_to_hf_config(drafter_cfg),
             "drafter_parameters": param_count(params),

@@ -3,8 +3,8 @@
 A DFlash drafter learns to fill a block `[anchor, mask, ..., mask]` for a frozen target.
 Per training sequence of `seq_len` tokens:
 
-- anchors `a` are drawn uniformly from `[1, seq_len - block_size]` without replacement
-  (anchor 0 would have no context; the upper bound keeps every block row inside the window);
+- anchors `a` are drawn uniformly from `[1, seq_len - 1 - n_drafts]` without replacement
+  (anchor 0 would have no context; the upper bound keeps every label inside the window);
 - block j sits at positions `a_j .. a_j + b - 1`; its rows attend to the target's taps of
   positions `< a_j` and bidirectionally to the rows of their own block (never to other
   blocks), exactly as `draft_hidden` does at inference (`DFlashDrafter.train_hidden`);
@@ -78,33 +78,45 @@ def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def drafter_loss(params: dict, target_params: dict, tokens: jax.Array, anchors: jax.Array, *,
-                 target_cfg: TargetConfig, cfg: DrafterConfig, weights, dtype, labels: str = "data") -> tuple:
-    """(loss, metrics) of the DFlash objective on windows `tokens [B, T]` with `anchors [B, A]`.
+                 target_cfg: TargetConfig, cfg: DrafterConfig, weights, dtype, labels: str = "data",
+                 confidence_weight: float = 1.0) -> tuple:
+    """(loss, metrics) of the drafter's objective on windows `tokens [B, T]` with `anchors [B, A]`.
 
     `params` are the drafter's float32 master weights (cast to `dtype` here, so gradients
     come back in float32); `target_params` are already in `dtype` and stay frozen. `labels`
-    is `TrainConfig.labels`. Rows 1..b-1 (the mask-fill harvest) are scored.
+    is `TrainConfig.labels`. The harvested rows are scored: rows 1..b-1 predict offsets 1..b-1
+    (mask-fill, DFlash) or rows 0..b-1 offsets 1..b (shifted, DSpark). A DSpark drafter's Markov
+    head sees the text's token before each slot (teacher forcing), and its confidence head is
+    trained by binary cross-entropy, weighted `confidence_weight`, toward the exact acceptance
+    of its slot given the previous ones: whether the corrected argmax is the target's choice.
     """
     bsz, t = tokens.shape
-    n_blocks, b = anchors.shape[1], cfg.block_size
+    n_blocks, n = anchors.shape[1], cfg.n_drafts
     chex.assert_shape(anchors, (bsz, n_blocks))
     target = checkpoints.target_family(target_cfg).cls(target_cfg, target_params)
     drafter = checkpoints.drafter_family(cfg).cls(cfg, cast(params, dtype))
     h_all, taps = target.forward(tokens, drafter.tap_ids)
     taps, h_all = jax.lax.stop_gradient((taps, h_all))
-    positions = anchors[:, :, None] + jnp.arange(b, dtype=jnp.int32)  # [B, A, b]
-    block_tokens = _gather_rows(tokens, positions)
-    # The target's own choice for row k is its argmax at position a + k - 1.
-    target_choice = jnp.argmax(target.logits(_gather_rows(h_all, positions[..., :-1])), axis=-1)
-    x = drafter.block_input(target, block_tokens[..., 0])
-    h = drafter.train_hidden(taps, x, anchors)
+    offsets = anchors[:, :, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, A, n + 1]: anchor, slots 1..n
+    text = _gather_rows(tokens, offsets)
+    # The target's own choice at offset k is its argmax at position a + k - 1.
+    target_choice = jnp.argmax(target.logits(_gather_rows(h_all, offsets[..., :-1])), axis=-1)
+    h = drafter.train_hidden(taps, drafter.block_input(target, text[..., 0]), anchors)
     logits = drafter.harvest_logits(target, h)
-    loss = weighted_block_ce(logits, block_tokens[..., 1:] if labels == "data" else target_choice, weights)
+    raw = None
+    if cfg.family == "dspark":
+        logits, raw = drafter.teacher_forced(logits, h[..., cfg.first_row:, :], text[..., :-1])
+    loss = weighted_block_ce(logits, text[..., 1:] if labels == "data" else target_choice, weights)
     draft = jnp.argmax(logits, axis=-1)
+    hit = (draft == target_choice).astype(jnp.float32)
     metrics = {
         "acc_len": jnp.mean(acceptance_length(draft, target_choice).astype(jnp.float32)),
-        "slot_acc": jnp.mean((draft == target_choice).astype(jnp.float32), axis=(0, 1)),
+        "slot_acc": jnp.mean(hit, axis=(0, 1)),
     }
+    if raw is not None:
+        bce = jnp.mean(jax.nn.softplus(raw) - raw * jax.lax.stop_gradient(hit))
+        loss = loss + confidence_weight * bce
+        metrics["confidence_bce"] = bce
     return loss, metrics
 
 
