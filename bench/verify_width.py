@@ -17,8 +17,9 @@ one static block the target still verifies all nd + 1 rows, so a narrow width sa
 Each setting is compiled by an untimed run first. Outputs of every timed run must equal plain
 greedy decoding.
 
-    python bench/verify_width.py            # H200
-    python bench/verify_width.py --tiny     # CPU smoke test
+    python bench/verify_width.py                                        # H200, both experiments
+    python bench/verify_width.py --experiments budget --batches 16 64   # the budget cells alone
+    python bench/verify_width.py --tiny                                 # CPU smoke test
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def main(argv=None):
     ap.add_argument("--accepts", type=int, nargs="+", default=[2, 6, 16], help="k: drafts every round accepts")
     ap.add_argument("--tau", type=float, default=6.5, help="injected acceptance length for the budget cells")
     ap.add_argument("--budget-per-row", type=int, default=6)
+    ap.add_argument("--experiments", nargs="+", default=["buckets", "budget"], choices=["buckets", "budget"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     batches = args.batches or ([1, 4] if args.tiny else [1, 16, 64])
@@ -88,6 +90,8 @@ def main(argv=None):
         common.write_json(f"verify_width{'_tiny' if args.tiny else ''}.json", payload, args.out)
 
     for confidence in (False, True):
+        if ("budget" if confidence else "buckets") not in args.experiments:
+            continue
         drafter = dspark_drafter(target, args.tiny, confidence)
         nd = drafter.n_drafts
         for batch in batches:

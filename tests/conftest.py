@@ -51,6 +51,15 @@ def tiny_drafter(target: Target, block_size: int, seed: int = 1, windows=(None, 
     return make_drafter(cfg, random_params(drafter_param_shapes(cfg), seed))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def free_compiled_programs():
+    """Drop compiled programs after each test module. XLA's CPU backend maps each program's code in
+    its own memory regions, and the suite compiles thousands of programs in one process: without
+    this it passes Linux's default 65,530 mappings per process and segfaults inside a compile."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def target():
     return tiny_target()
