@@ -62,7 +62,8 @@ def describe_drafter(cfg: DrafterConfig) -> list:
         f"extra heads: {', '.join(cfg.heads) or 'none'}",
     ]
     if cfg.verify_policy is not None:
-        tau = f" at tau {cfg.verify_tau:g}" if cfg.verify_policy != "ladder" else f", adapt {'on' if cfg.adapt else 'off'}"
+        adapt = f", adapt {'on' if cfg.adapt else 'off'}"
+        tau = f" at tau {cfg.verify_tau:g}" if cfg.verify_policy != "ladder" else adapt
         budget = f", batch budget {cfg.verify_budget} drafts a round" if cfg.verify_budget is not None else ""
         lines += [f"verify window: {cfg.verify_policy}{tau}{budget}", f"markov head: {'on' if cfg.markov else 'off'}"]
     else:

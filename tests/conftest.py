@@ -65,6 +65,18 @@ def target():
     return tiny_target()
 
 
+def inject_reference(plain_tokens, max_new: int, nd: int, first_wrong=None):
+    """Proposals copied from a plain continuation, for driving the loop to every acceptance length:
+    `first_wrong[k]` = P(the first wrong slot is k), k = nd meaning none (default: uniform over 0..nd)."""
+    from dflash_jax.decoding.speculative import Injected
+
+    ref = np.zeros((len(plain_tokens), max_new + nd + 2), np.int32)
+    for i, row in enumerate(plain_tokens):
+        ref[i, : len(row)] = row
+    probs = np.ones(nd + 1, np.float32) if first_wrong is None else np.asarray(first_wrong, np.float32)
+    return Injected(jnp.asarray(ref), jnp.asarray(probs / probs.sum()))
+
+
 def inverted_accept_length(p_draft, q_draft, u, n_valid):
     """A wrong accept rule for "teeth" tests: accepts exactly when the Leviathan rule rejects."""
     slot = jnp.arange(p_draft.shape[-1])

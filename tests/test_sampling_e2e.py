@@ -180,8 +180,9 @@ def test_speculative_joint_of_three_tokens_matches_the_target(name, proposal, fa
     exact = exact_joint(SAMPLINGS[name])
     tokens, _ = speculative_draws(name, proposal, family)
     for what, (d, bound) in distances(tokens, exact).items():
-        assert d < bound, (f"{family} {name}/{proposal}: {what} of {N} speculative draws is TV {d:.4f} from the target's "
-                           f"exact distribution; {N} exact draws exceed {bound:.4f} with probability < {DELTA}")
+        assert d < bound, (f"{family} {name}/{proposal}: {what} of {N} speculative draws is TV {d:.4f} from the "
+                           f"target's exact distribution; {N} exact draws exceed {bound:.4f} with probability "
+                           f"< {DELTA}")
 
 
 @pytest.mark.parametrize("name", list(SAMPLINGS))
@@ -196,7 +197,8 @@ def test_plain_sampling_matches_the_exact_joint(name):
 def test_speculative_joint_matches_plain_sampling(name, proposal, family):
     d = tv(joint_histogram(speculative_draws(name, proposal, family)[0]), joint_histogram(plain_draws(name)))
     bound = tv_bound(exact_joint(SAMPLINGS[name]), N, two_sample=True)
-    assert d < bound, (f"{family} {name}/{proposal}: speculative and plain joints of {N} draws each are TV {d:.4f} apart; "
+    assert d < bound, (f"{family} {name}/{proposal}: speculative and plain joints of {N} draws each are TV "
+                       f"{d:.4f} apart; "
                        f"two samples of one distribution exceed {bound:.4f} with probability < {DELTA}")
 
 

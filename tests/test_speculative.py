@@ -4,13 +4,12 @@ Random drafters accept almost nothing, so the loop is also driven with injected 
 (the plain greedy continuation with a wrong token at a chosen slot), which reach every
 acceptance length 0..nd.
 """
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dflash_jax
 from dflash_jax.decoding import speculative as spec
-from conftest import tiny_drafter
+from conftest import inject_reference, tiny_drafter
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(12, 40))]
 MAX_NEW = 24
@@ -19,15 +18,6 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def plain(target):
     return dflash_jax.generate(target, None, PROMPTS, max_new_tokens=MAX_NEW).tokens
-
-
-def _inject(plain_tokens, nd, first_wrong):
-    """Proposals copied from the plain continuation; `first_wrong[k]` = P(first wrong slot is k)."""
-    ref = np.zeros((len(plain_tokens), MAX_NEW + nd + 2), np.int32)
-    for i, row in enumerate(plain_tokens):
-        ref[i, : len(row)] = row
-    probs = np.asarray(first_wrong, np.float32)
-    return spec.Injected(jnp.asarray(ref), jnp.asarray(probs / probs.sum()))
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
@@ -51,7 +41,7 @@ def test_sliding_window_drafter_with_context_longer_than_window(target, plain, c
     out = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
     assert out.tokens == plain
     injected = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW,
-                                  inject=_inject(plain, nd, [1] * (nd + 1))).run()
+                                  inject=inject_reference(plain, MAX_NEW, nd, [1] * (nd + 1))).run()
     assert injected.tokens == plain
 
 
@@ -59,7 +49,7 @@ def test_injected_proposals_reach_every_acceptance_length_and_stay_exact(target,
     drafter = tiny_drafter(target, 8)
     nd = drafter.config.n_drafts
     out = dflash_jax.Session(target, drafter, PROMPTS * 4, max_new_tokens=MAX_NEW,
-                             inject=_inject(plain * 4, nd, [1] * (nd + 1))).run()
+                             inject=inject_reference(plain * 4, MAX_NEW, nd, [1] * (nd + 1))).run()
     assert out.tokens == plain * 4, "output must not depend on what was proposed"
     hist = out.stats.accept_hist
     assert all(h > 0 for h in hist), f"every acceptance length 0..{nd} must occur; histogram {hist}"
@@ -72,7 +62,7 @@ def test_acceptance_length_follows_the_first_wrong_slot(target, plain, wrong_slo
     probs = np.zeros(nd + 1)
     probs[nd if wrong_slot is None else wrong_slot] = 1
     out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW,
-                             inject=_inject(plain, nd, probs)).run()
+                             inject=inject_reference(plain, MAX_NEW, nd, probs)).run()
     assert out.tokens == plain
     hist = np.asarray(out.stats.accept_hist)
     accepted = nd if wrong_slot is None else wrong_slot
@@ -87,7 +77,7 @@ def test_stop_token_inside_an_accepted_span(target, plain):
     stop = plain[0][5]  # the 6th token: mid-block when every draft is accepted
     expected = [row[: row.index(stop) + 1] if stop in row else row for row in plain]
     out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_tokens=[stop],
-                             inject=_inject(plain, nd, [0] * nd + [1])).run()
+                             inject=inject_reference(plain, MAX_NEW, nd, [0] * nd + [1])).run()
     assert out.tokens == expected
 
 
@@ -95,14 +85,14 @@ def test_max_new_tokens_ending_mid_block(target, plain):
     drafter = tiny_drafter(target, 8)
     nd = drafter.config.n_drafts
     out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=11,
-                             inject=_inject(plain, nd, [0] * nd + [1])).run()
+                             inject=inject_reference(plain, MAX_NEW, nd, [0] * nd + [1])).run()
     assert out.tokens == [row[:11] for row in plain]
 
 
 def test_session_bursts_equal_one_generate_call(target, plain):
     drafter = tiny_drafter(target, 4)
     nd = drafter.config.n_drafts
-    inject = _inject(plain, nd, [1] * (nd + 1))
+    inject = inject_reference(plain, MAX_NEW, nd, [1] * (nd + 1))
     whole = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=inject).run()
     session = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=inject)
     got = [[] for _ in PROMPTS]
@@ -146,7 +136,7 @@ def test_injected_proposals_still_pay_for_the_drafter(target, plain):
         s = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=inject)
         return spec.run.lower(s.loop, target, drafter, s.state, s.stop_tokens).compile().as_text().count(" dot(")
 
-    assert dots(_inject(plain, nd, [1] * (nd + 1))) >= dots(None) > 0
+    assert dots(inject_reference(plain, MAX_NEW, nd, [1] * (nd + 1))) >= dots(None) > 0
 
 
 @pytest.mark.parametrize("injected, sampling", [
@@ -158,7 +148,8 @@ def test_the_round_loop_has_no_nested_loop(target, plain, injected, sampling):
     the round (random.choice's searchsorted was one) costs a host sync per inner iteration.
     Lowered for CUDA (no GPU needed): on the CPU, threefry itself lowers to loops."""
     drafter = tiny_drafter(target, 4)
-    inject = _inject(plain, drafter.config.n_drafts, [1] * (drafter.config.n_drafts + 1)) if injected else None
+    nd = drafter.config.n_drafts
+    inject = inject_reference(plain, MAX_NEW, nd, [1] * (nd + 1)) if injected else None
     s = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=inject, sampling=sampling)
     traced = spec.run.trace(s.loop, target, drafter, s.state, s.stop_tokens)
     hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -169,7 +160,7 @@ def test_verify_cap_bounds_acceptance_but_not_the_output(target, plain):
     drafter = tiny_drafter(target, 8)
     nd = drafter.config.n_drafts
     out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=3,
-                             inject=_inject(plain, nd, [0] * nd + [1])).run()
+                             inject=inject_reference(plain, MAX_NEW, nd, [0] * nd + [1])).run()
     assert out.tokens == plain
     hist = out.stats.accept_hist
     assert sum(hist[3:]) == 0 and hist[2] > 0, f"vt=3 examines at most 2 drafts; histogram {hist}"

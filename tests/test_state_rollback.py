@@ -12,17 +12,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import linen as nn
 from flax import struct
 
 import dflash_jax
 from dflash_jax.config import DrafterConfig, RopeConfig
-from dflash_jax.decoding import speculative as spec
 from dflash_jax.io.checkpoints import make_drafter
 from dflash_jax.targets.base import Target
-from conftest import drafter_param_shapes, random_params
+from conftest import drafter_param_shapes, inject_reference, random_params
 
 MODULUS = 97  # the running sum is read through an embedding of (sum mod MODULUS)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(12, 40))]
@@ -135,14 +133,6 @@ def plain(toy):
     return dflash_jax.generate(toy, None, PROMPTS, max_new_tokens=MAX_NEW).tokens
 
 
-def _inject(plain_tokens, nd):
-    """Proposals copied from the plain continuation, the first wrong slot uniform over 0..nd."""
-    ref = np.zeros((len(plain_tokens), MAX_NEW + nd + 2), np.int32)
-    for i, row in enumerate(plain_tokens):
-        ref[i, : len(row)] = row
-    return spec.Injected(jnp.asarray(ref), jnp.full((nd + 1,), 1.0 / (nd + 1), jnp.float32))
-
-
 def test_plain_decoding_reads_the_running_sum(toy, plain):
     """The family's outputs depend on its state: a different prompt prefix changes the continuation."""
     shifted = dflash_jax.generate(toy, None, [[5, 6, 7, 8, 9, 10, 12]], max_new_tokens=MAX_NEW).tokens
@@ -152,7 +142,8 @@ def test_plain_decoding_reads_the_running_sum(toy, plain):
 
 def test_speculative_decoding_of_a_running_sum_target_equals_its_plain_decoding(toy, drafter, plain):
     nd = drafter.n_drafts
-    out = dflash_jax.Session(toy, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=_inject(plain, nd)).run()
+    out = dflash_jax.Session(toy, drafter, PROMPTS, max_new_tokens=MAX_NEW,
+                             inject=inject_reference(plain, MAX_NEW, nd)).run()
     hist = out.stats.accept_hist
     assert out.tokens == plain, "rolling back through commit must leave the running sum of the kept tokens"
     assert len(hist) == nd + 1 and all(h > 0 for h in hist), f"every acceptance length 0..{nd} is reached: {hist}"
@@ -162,7 +153,8 @@ def test_speculative_decoding_of_a_running_sum_target_equals_its_plain_decoding(
 def test_a_commit_that_keeps_the_whole_block_breaks_speculative_decoding(toy, drafter, plain):
     broken = WholeBlockCommit(toy.config, toy.params)
     nd = drafter.n_drafts
-    out = dflash_jax.Session(broken, drafter, PROMPTS, max_new_tokens=MAX_NEW, inject=_inject(plain, nd)).run()
+    out = dflash_jax.Session(broken, drafter, PROMPTS, max_new_tokens=MAX_NEW,
+                             inject=inject_reference(plain, MAX_NEW, nd)).run()
     assert dflash_jax.generate(broken, None, PROMPTS, max_new_tokens=MAX_NEW).tokens == plain, \
         "plain decoding commits one token at a time, so the wrong commit cannot show there"
     assert out.tokens != plain, "keeping rejected drafts in the state must change the output"

@@ -62,8 +62,9 @@ def main(argv=None) -> dict:
                    "rounds": st.rounds, "drafted": st.drafted, "accepted": st.accepted, "generated": st.generated,
                    "identical_to_plain": out.tokens == plain if sampling.greedy else None}
             results.append(rec)
+            differs = "" if rec["identical_to_plain"] in (None, True) else " NOT IDENTICAL"
             print(f"{family:7s} {label:32s} acceptance length {st.acceptance_length:.2f} "
-                  f"({st.accepted}/{st.drafted} drafts accepted){'' if rec['identical_to_plain'] in (None, True) else ' NOT IDENTICAL'}")
+                  f"({st.accepted}/{st.drafted} drafts accepted){differs}")
     payload = common.environment(target=args.target, n_prompts=len(prompts), new_tokens=args.new) | {"cells": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

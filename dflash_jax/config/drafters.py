@@ -514,6 +514,7 @@ def drafter_to_hf_config(cfg: DrafterConfig) -> dict:
         if cfg.markov_rank is not None:
             nested["markov_rank"] = cfg.markov_rank
         nested["enable_confidence_head"] = cfg.confidence_in_dim is not None
-        nested["confidence_head_with_markov"] = cfg.confidence_in_dim is not None and cfg.confidence_in_dim > cfg.hidden_size
+        with_markov = cfg.confidence_in_dim is not None and cfg.confidence_in_dim > cfg.hidden_size
+        nested["confidence_head_with_markov"] = with_markov
     out["dflash_config"] = nested
     return out

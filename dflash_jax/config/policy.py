@@ -127,7 +127,8 @@ def verify_buckets(kwarg, n_drafts: int, batch: int = 1, varies_width: bool = Fa
 def clamp_vt(m_plus_2, cap: int):
     """Ladder window after a round that accepted m: clamp m + 2 to [min(3, cap), cap].
 
-    The original clamps to [3, cap] and panics when cap < 3 (docs/architecture.md, "Known defects of the original, fixed here"); works on Python
+    The original clamps to [3, cap] and panics when cap < 3 (docs/architecture.md, "Known defects of the
+    original, fixed here"); works on Python
     ints and on integer arrays (inside jit).
     """
     if cap < 1:

@@ -1,4 +1,5 @@
-"""Rotary embedding settings from either transformers config form (`rope_theta` + `rope_scaling`, or `rope_parameters`)."""
+"""Rotary embedding settings from either transformers config form (`rope_theta` + `rope_scaling`, or
+`rope_parameters`)."""
 from __future__ import annotations
 
 import dataclasses
