@@ -111,7 +111,7 @@ SELECTOR_TENSORS = (
 _DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
 _NOT_OVERRIDABLE = ("family", "reasons", "warnings")
 DSPARK_SETTINGS = ("verify_policy", "verify_tau", "adapt", "markov", "verify_budget")
-_DSPARK_ENV = ("DFLASH_VT", "DFLASH_VT_TAU", "DFLASH_ADAPT", "DFLASH_MARKOV", "DFLASH_VERIFY_BUDGET")
+_DSPARK_ENV = tuple(policy.env_name(n) for n in ("vt", "vt_tau", "adapt", "markov", "verify_budget"))
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DrafterConfig) if f.name not in _NOT_OVERRIDABLE)
 
 
