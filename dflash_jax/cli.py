@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+from typing import Mapping, Optional
 
 from dflash_jax import train
 from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor
 from dflash_jax.io import checkpoints
 from dflash_jax.io.safetensors import read_config
+from dflash_jax.train.cli import REFUSALS, refuse
 
 _DRAFTER_MARKERS = ("DFlash", "DSpark", "Draft")
 
@@ -42,8 +45,23 @@ def describe_target(cfg: TargetConfig, infos: dict) -> list:
     ]
 
 
-def describe_drafter(cfg: DrafterConfig) -> list:
-    """Lines `inspect` prints for a drafter directory: what the census decided and why."""
+def describe_trained_for(config: Mapping) -> str:
+    """The `inspect` line for the target a drafter's `config.json` says it was trained for
+    (`checkpoints.trained_for_record`); values are shown with repr, as the file is untrusted."""
+    section = config.get("dflash_jax")
+    record = section.get("trained_for_target") if isinstance(section, dict) else None
+    if record is None:
+        return "trained for target: not recorded"
+    if not isinstance(record, dict):
+        return f"trained for target: unreadable record {type(record).__name__}"
+    fields = [f"{k} {record[k]!r}" for k in checkpoints.TRAINED_FOR_FIELDS
+              if isinstance(record.get(k), (str, int)) and not isinstance(record.get(k), bool)]
+    return f"trained for target: {', '.join(fields) or 'unreadable record'}"
+
+
+def describe_drafter(cfg: DrafterConfig, config: Optional[Mapping] = None) -> list:
+    """Lines `inspect` prints for a drafter directory: what the census decided and why, and the target
+    it was trained for when its `config.json` (`config`) records one."""
     layers = ", ".join(
         f"{i}:{'sliding ' + str(w) if w is not None else 'full'}{' causal' if c else ' bidirectional'}"
         for i, (w, c) in enumerate(zip(cfg.layer_window, cfg.causal))
@@ -68,28 +86,26 @@ def describe_drafter(cfg: DrafterConfig) -> list:
         lines += [f"verify window: {cfg.verify_policy}{tau}{budget}", f"markov head: {'on' if cfg.markov else 'off'}"]
     else:
         lines.append("verify window: fixed (the cap, DFLASH_VERIFY_T / verify_t)")
+    if config is not None:
+        lines.append(describe_trained_for(config))
     lines += [f"reason: {r}" for r in cfg.reasons]
     lines += [f"warning: {w}" for w in cfg.warnings]
     return lines
 
 
 def cmd_inspect(args) -> int:
-    """Print the census of a target or drafter directory; non-zero with the refusal if we cannot run it."""
-    try:
-        if not is_drafter_config(read_config(args.dir)):
-            cfg, infos = checkpoints.inspect_target(args.dir)
-            print("\n".join(describe_target(cfg, infos)))
-            return 0
-        target = checkpoints.inspect_target(args.target)[0] if args.target else None
-        overrides = {k: v for k, v in (("harvest", args.harvest), ("block_size", args.block_size)) if v is not None}
-        cfg, _ = checkpoints.inspect_drafter(args.dir, target, **overrides)
-    except (CheckpointError, ValueError) as e:
-        print(f"refused: {e}", file=sys.stderr)
-        return 1
-    print("\n".join(describe_drafter(cfg)))
+    """Print the census of a target or drafter directory; refused (by `main`) if we cannot run it."""
+    config = read_config(args.dir)
+    if not is_drafter_config(config):
+        cfg, infos = checkpoints.inspect_target(args.dir)
+        print("\n".join(describe_target(cfg, infos)))
+        return 0
+    target = checkpoints.inspect_target(args.target)[0] if args.target else None
+    overrides = {k: v for k, v in (("harvest", args.harvest), ("block_size", args.block_size)) if v is not None}
+    cfg, _ = checkpoints.inspect_drafter(args.dir, target, **overrides)
+    print("\n".join(describe_drafter(cfg, config)))
     if cfg.family not in checkpoints.DRAFTER_FAMILIES:
-        print(f"refused: {checkpoints.unsupported_family_message(cfg)}", file=sys.stderr)
-        return 1
+        raise CheckpointError(checkpoints.unsupported_family_message(cfg))
     return 0
 
 
@@ -123,32 +139,57 @@ def _sampling(args):
                     seed=args.seed)
 
 
+def _prompt_text(args) -> str:
+    """`--prompt`, else standard input read as UTF-8; text that is not UTF-8 (an undecodable byte in
+    argv arrives as a surrogate escape) is refused naming the byte and where it is."""
+    if args.prompt is None:
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"standard input is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start}") \
+                from None
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = args.prompt[e.start]
+        what = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else repr(char)
+        raise ValueError(f"--prompt is not UTF-8 text: undecodable {what} at character {e.start}") from None
+    return args.prompt
+
+
+def _stop_tokens(target, target_dir: str) -> tuple:
+    """The target config's `eos_token_id`s, the stop tokens; one outside the vocabulary is refused naming the file."""
+    vocab = target.config.vocab_size
+    outside = [t for t in target.config.eos_token_ids if not 0 <= t < vocab]
+    if outside:
+        raise CheckpointError(f"{os.path.join(target_dir, 'config.json')}: eos_token_id {outside[0]} is outside the "
+                              f"vocabulary [0, {vocab}) (vocab_size), so it cannot be a stop token")
+    return target.config.eos_token_ids
+
+
 def cmd_generate(args) -> int:
     """Speculative generation from a prompt, streamed; the bundled demo pair by default."""
     import dflash_jax
-    from dflash_jax.demo import load_demo, load_tokenizer
+    from dflash_jax.demo import DEMO_DIR, load_demo, load_tokenizer
 
     if (args.target is None) != (args.drafter is None):
         print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
         return 2
-    try:
-        sampling = _sampling(args)
-        overrides = {"block_size": args.block_size} if args.block_size else {}
-        if args.target is None:
-            demo = load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
-            tokenizer, target, drafter = demo.tokenizer, demo.target, demo.drafter
-        else:
-            target = dflash_jax.load_target(args.target, args.dtype)
-            tokenizer = load_tokenizer(args.target)
-            drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, **overrides)
-        text = args.prompt if args.prompt is not None else sys.stdin.read()
-        ids = tokenizer.encode(text).ids
-        stops = target.config.eos_token_ids
-        session = dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                                     sampling=sampling)
-    except (CheckpointError, ValueError) as e:
-        print(f"refused: {e}", file=sys.stderr)
-        return 2
+    text = _prompt_text(args)
+    sampling = _sampling(args)
+    overrides = {"block_size": args.block_size} if args.block_size is not None else {}
+    if args.target is None:
+        demo = load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
+        tokenizer, target, drafter = demo.tokenizer, demo.target, demo.drafter
+    else:
+        target = dflash_jax.load_target(args.target, args.dtype)
+        tokenizer = load_tokenizer(args.target)
+        drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, **overrides)
+    stops = _stop_tokens(target, args.target or os.path.join(DEMO_DIR, "target"))
+    ids = tokenizer.encode(text).ids
+    session = dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
+                                 sampling=sampling)
     sys.stdout.write(text)
     tokens = _stream(session, tokenizer, sys.stdout)
     st = session.stats
@@ -202,20 +243,39 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a command-line error as one line on stderr (exit status 2), not the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dflash-jax", description="Lossless block-diffusion speculative decoding (DFlash) in JAX. "
         "Run `dflash-jax generate --prompt TEXT` to try the bundled demo pair.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
     _add_generate(sub)
     train.add_cli(sub)
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true", help="on a refusal, raise it with its traceback")
     return parser
 
 
 def main(argv=None) -> int:
+    """Run a subcommand. A refusal (`train.cli.REFUSALS`) or an interrupt is one line on stderr and a
+    non-zero status (1; 130 for an interrupt), never a traceback unless `--debug`."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except REFUSALS as e:
+        return refuse(e, args.debug)
+    except KeyboardInterrupt as e:
+        if args.debug:
+            raise
+        print("; ".join(["interrupted", *getattr(e, "__notes__", ())]), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from dflash_jax.config import drafter_census as config_drafter_census
 from dflash_jax.config.drafters import SELECTOR_TENSORS
 from dflash_jax.drafters import dflash, dflash_names, dspark, dspark_names
 from dflash_jax.drafters.base import Drafter
-from dflash_jax.io import names
+from dflash_jax.io import names, publish
 from dflash_jax.io.safetensors import (
     load_dtype,
     read_config,
@@ -145,11 +145,17 @@ def read_target(path, dtype=None) -> Target:
     return target_family(cfg).read(cfg, infos, dtype)
 
 
-def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[int] = None) -> None:
-    """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (and read_target)."""
+def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[int] = None, *,
+                 overwrite: bool = False) -> None:
+    """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (and read_target).
+
+    Published whole (`io/publish.py`): a non-empty `path` is refused unless `overwrite`, which
+    replaces its whole contents; an interrupted write leaves the old folder as it was.
+    """
     dtype = dtype_name(dtype)
     config = target_to_hf_config(dataclasses.replace(target.config, dtype=dtype))
-    target_family(target.config).write(path, target, config, dtype, shard_bytes)
+    with publish.staged(path, overwrite) as folder:
+        target_family(target.config).write(folder, target, config, dtype, shard_bytes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,8 +230,39 @@ def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, en
     return family.read(cfg, infos, load_dtype(dtype, read_config(path), infos, "fc.weight"))
 
 
-def write_drafter(path, drafter: Drafter, dtype="bfloat16", shard_bytes: Optional[int] = None) -> None:
-    """Write a z-lab DFlashDraftModel directory that `read_drafter` reads back to the same config and params."""
+TRAINED_FOR_FIELDS = ("name", "architecture", "hidden_size", "num_hidden_layers", "vocab_size")
+"""What a drafter's `config.json` records of the target it was trained for, under
+`dflash_jax.trained_for_target`: the target folder's own name (never its path, which would leak
+the training machine's layout) and the shape fields of the target's `config.json`."""
+
+
+def trained_for_record(target_cfg: TargetConfig, name: Optional[str] = None) -> dict:
+    """The `trained_for_target` record of a target: `name` (a folder name, when known) and its shape."""
+    if name is not None and (not isinstance(name, str) or not name or os.sep in name):
+        raise ValueError(f"target name {name!r}: expected a folder name, not a path")
+    hf = target_to_hf_config(target_cfg)
+    record = {"name": name, "architecture": hf["architectures"][0],
+              **{k: hf[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}}
+    return {k: v for k, v in record.items() if v is not None}
+
+
+def write_drafter(path, drafter: Drafter, dtype="bfloat16", shard_bytes: Optional[int] = None, *,
+                  trained_for: Optional[Mapping] = None, overwrite: bool = False) -> None:
+    """Write a z-lab DFlashDraftModel directory that `read_drafter` reads back to the same config and params.
+
+    `trained_for` (a `trained_for_record`) is kept in `config.json` under `dflash_jax`, a section
+    transformers and the reference ignore. Published whole, like `write_target`.
+    """
+    with publish.staged(path, overwrite) as folder:
+        fill_drafter_folder(folder, drafter, dtype, shard_bytes, trained_for=trained_for)
+
+
+def fill_drafter_folder(folder, drafter: Drafter, dtype="bfloat16", shard_bytes: Optional[int] = None, *,
+                        trained_for: Optional[Mapping] = None) -> None:
+    """The files of `write_drafter` in `folder` as it is, unpublished: for a stage of `publish.staged`
+    that holds more (a training run's periodic checkpoints beside its final drafter)."""
     dtype = dtype_name(dtype)
     config = {**drafter_to_hf_config(drafter.config), "torch_dtype": dtype}
-    drafter_family(drafter.config).write(path, drafter, config, dtype, shard_bytes)
+    if trained_for is not None:
+        config["dflash_jax"] = {"trained_for_target": dict(trained_for)}
+    drafter_family(drafter.config).write(folder, drafter, config, dtype, shard_bytes)

@@ -9,7 +9,7 @@ from typing import Optional
 from tokenizers import Tokenizer
 
 from dflash_jax.config import CheckpointError
-from dflash_jax.io import checkpoints
+from dflash_jax.io import checkpoints, publish
 from dflash_jax.train.data import check_token_stream, load_corpus
 from dflash_jax.train.loop import (
     COMPUTE_DTYPES,
@@ -23,6 +23,18 @@ from dflash_jax.train.loop import (
 
 MASK_TOKEN = "<|mask|>"
 EOT_TOKEN = "<|endoftext|>"
+REFUSALS = (CheckpointError, ValueError, OSError)
+"""What the `dflash-jax` commands report as a one-line refusal (UnicodeError is a ValueError)."""
+
+
+def refuse(error: BaseException, debug: bool = False) -> int:
+    """Print `error` as one `refused:` line on stderr and return the exit status 1; with `debug`, re-raise it.
+    Shared by every subcommand (`dflash_jax/cli.py` imports it: this module cannot import that one)."""
+    if debug:
+        raise error
+    text = "; ".join([str(error) or type(error).__name__, *getattr(error, "__notes__", ())])
+    print(f"refused: {' '.join(text.split())}", file=sys.stderr)
+    return 1
 
 
 def add_family_args(p) -> None:
@@ -50,7 +62,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--target", required=True, help="target directory: config.json, *.safetensors, tokenizer.json")
     p.add_argument("--corpus", required=True,
                    help="a text file, a directory of .txt/.py files (one document each), or a .npy token stream")
-    p.add_argument("--out", required=True, help="output directory for the drafter checkpoint and train_log.json")
+    p.add_argument("--out", required=True,
+                   help="output directory for the drafter checkpoint and train_log.json (new or empty)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the whole contents of a non-empty --out holding an earlier checkpoint")
     p.add_argument("--layers", type=int, default=2,
                    help="draft layers (default 2; published Qwen3-8B drafters use 5)")
     p.add_argument("--block-size", type=int, default=16, help="block size b: anchor + b-1 drafts (default 16)")
@@ -84,6 +99,7 @@ def _tokenizer(target_dir) -> Optional[Tokenizer]:
 
 def _prepare(args) -> tuple:
     """(Target, data, DrafterConfig, params, TrainConfig) for the command, refusing bad input early."""
+    publish.destination(args.out, args.overwrite)
     tc = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq,
         lr=args.lr, warmup_steps=min(100, args.steps // 10) if args.warmup_steps is None else args.warmup_steps,
@@ -118,13 +134,13 @@ def cli_train_drafter(args) -> int:
     """`dflash-jax train-drafter`: tokenize the corpus, train, export; 1 with the reason if refused."""
     try:
         target, data, dcfg, dparams, tc = _prepare(args)
-    except (CheckpointError, ValueError, OSError) as e:
-        print(f"refused: {e}", file=sys.stderr)
-        return 1
+    except REFUSALS as e:
+        return refuse(e, getattr(args, "debug", False))
     print(f"corpus: {data.shape[0]:,} tokens; drafter: {dcfg.num_layers} layers, {param_count(dparams):,} "
           f"parameters, taps {list(dcfg.target_layer_ids)}, block size {dcfg.block_size}, "
           f"mask token {dcfg.mask_token_id}", file=sys.stderr)
     history = []
-    train_drafter(target, data, dcfg, dparams, tc, out_dir=args.out, history=history)
+    train_drafter(target, data, dcfg, dparams, tc, out_dir=args.out, overwrite=args.overwrite,
+                  target_name=os.path.basename(os.path.abspath(args.target)), history=history)
     print(f"wrote {args.out} (acceptance-length estimate on training batches {history[-1]['acc_len']:.2f})")
     return 0

@@ -7,6 +7,7 @@ jitted step per batch. The target runs forward only; its LM head is applied to t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -29,7 +30,7 @@ from dflash_jax.config import (
     drafter_census,
     drafter_to_hf_config,
 )
-from dflash_jax.io import checkpoints
+from dflash_jax.io import checkpoints, publish
 from dflash_jax.targets.base import Target
 from dflash_jax.train.data import check_token_stream, sample_anchors, sample_windows
 from dflash_jax.train.objective import cast, drafter_loss, lm_loss, loss_weights
@@ -330,39 +331,48 @@ def _drafter_batches(rng: np.random.Generator, data: np.ndarray, cfg: DrafterCon
 
 
 def train_drafter(target: Target, data, drafter_cfg: DrafterConfig, params: dict, tc: TrainConfig, *,
-                  out_dir=None, progress: bool = True, history: Optional[list] = None) -> dict:
+                  out_dir=None, overwrite: bool = False, target_name: Optional[str] = None, progress: bool = True,
+                  history: Optional[list] = None) -> dict:
     """Train a DFlash drafter for the frozen `target` on a 1-D token stream; return float32 params.
 
     With `out_dir`: a z-lab DFlashDraftModel checkpoint (bfloat16) at `out_dir/checkpoint-STEP`
     every `tc.checkpoint_every` steps, the final one in `out_dir` itself, and
-    `out_dir/train_log.json` (config, logged metrics, timings). `history`, when given, is
-    extended with the logged records.
+    `out_dir/train_log.json` (config, logged metrics, timings). Its config records the target
+    (`checkpoints.trained_for_record`, named `target_name`, the target folder's name, when
+    given). The run is written into a temporary sibling and published whole at the end
+    (`io/publish.py`): a non-empty `out_dir` is refused before training unless `overwrite`; an
+    interrupted run leaves `out_dir` as it was, and its periodic checkpoints in the sibling the
+    exception names. `history`, when given, is extended with the logged records.
     """
     tcfg = target.config
     check_drafter_for_target(tcfg, drafter_cfg, params, tc)
     data = check_token_stream(data, tcfg.vocab_size, tc.seq_len)
+    trained_for = checkpoints.trained_for_record(tcfg, target_name)
     rng = np.random.default_rng(tc.seed)
     history = [] if history is None else history
     t0 = time.perf_counter()
+    staging = contextlib.nullcontext() if out_dir is None else publish.staged(out_dir, overwrite, keep_on_error=True)
+    with staging as stage:
 
-    def save(step, p):
-        checkpoints.write_drafter(os.path.join(os.fspath(out_dir), f"checkpoint-{step}"), _drafter(drafter_cfg, p))
+        def save(step, p):
+            checkpoints.write_drafter(os.path.join(stage, f"checkpoint-{step}"), _drafter(drafter_cfg, p),
+                                      trained_for=trained_for)
 
-    params = _fit(_drafter_loss_fn(tcfg, drafter_cfg, tc), params, cast(target.params, jnp.dtype(tc.compute_dtype)),
-                  tc, _drafter_batches(rng, data, drafter_cfg, tc), tokens_per_step=tc.batch_size * tc.seq_len,
-                  label="drafter", progress=progress, history=history,
-                  on_checkpoint=save if out_dir is not None else None)
-    if out_dir is not None:
-        checkpoints.write_drafter(out_dir, _drafter(drafter_cfg, params))
-        write_log(os.path.join(os.fspath(out_dir), "train_log.json"), {
-            "kind": f"{drafter_cfg.family}-drafter",
-            "train_config": dataclasses.asdict(tc),
-            "drafter_config": drafter_to_hf_config(drafter_cfg),
-            "drafter_parameters": param_count(params),
-            "data_tokens": int(data.shape[0]),
-            "wall_s": time.perf_counter() - t0,
-            "history": history,
-        })
+        params = _fit(_drafter_loss_fn(tcfg, drafter_cfg, tc), params, cast(target.params, jnp.dtype(tc.compute_dtype)),
+                      tc, _drafter_batches(rng, data, drafter_cfg, tc), tokens_per_step=tc.batch_size * tc.seq_len,
+                      label="drafter", progress=progress, history=history,
+                      on_checkpoint=save if stage is not None else None)
+        if stage is not None:
+            checkpoints.fill_drafter_folder(stage, _drafter(drafter_cfg, params), trained_for=trained_for)
+            write_log(os.path.join(stage, "train_log.json"), {
+                "kind": f"{drafter_cfg.family}-drafter",
+                "train_config": dataclasses.asdict(tc),
+                "drafter_config": drafter_to_hf_config(drafter_cfg),
+                "drafter_parameters": param_count(params),
+                "data_tokens": int(data.shape[0]),
+                "wall_s": time.perf_counter() - t0,
+                "history": history,
+            })
     return params
 
 
