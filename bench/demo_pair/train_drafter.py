@@ -38,7 +38,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="train_target.py's output directory")
     parser.add_argument("--data", type=Path, required=True, help="tokenizer output dir with train.npy, heldout.npy")
-    parser.add_argument("--out", type=Path, required=True, help="output drafter directory")
+    parser.add_argument("--out", type=Path, required=True, help="output drafter directory (new or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -82,7 +83,8 @@ def main(argv=None) -> None:
     heldout = np.load(args.data / "heldout.npy").astype(np.int32)
     history = []
     t0 = time.perf_counter()
-    dparams = train.train_drafter(target, train_data, dcfg, dparams, tc, out_dir=args.out, history=history)
+    dparams = train.train_drafter(target, train_data, dcfg, dparams, tc, out_dir=args.out,
+                                   overwrite=args.overwrite, target_name=args.target.resolve().name, history=history)
     train_s = time.perf_counter() - t0
     evaluation = train.evaluate_drafter(target, heldout, dcfg, dparams, tc, n_batches=args.eval_batches)
 

@@ -72,7 +72,8 @@ def load_split(data_dir: Path, name: str) -> np.ndarray:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="tokenizer output dir with train.npy, heldout.npy")
-    parser.add_argument("--out", type=Path, required=True, help="output Qwen3ForCausalLM directory")
+    parser.add_argument("--out", type=Path, required=True, help="output Qwen3ForCausalLM directory (new or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -110,7 +111,7 @@ def main(argv=None) -> None:
     evaluation = train.evaluate_target(cfg, params, heldout, seq_len=args.seq_len, batch_size=args.batch_size,
                                        n_batches=args.eval_batches, compute_dtype=args.dtype)
 
-    write_target(args.out, make_target(cfg, params), dtype="bfloat16")
+    write_target(args.out, make_target(cfg, params), dtype="bfloat16", overwrite=args.overwrite)
     for name in TOKENIZER_FILES:
         shutil.copy(args.data / name, args.out / name)
     steady = history[-1]["tokens_per_s"] / (args.batch_size * args.seq_len)
