@@ -55,15 +55,15 @@ def draft_step(loop: spec.Loop, target, drafter, s: spec.SpecState):
 def verify_step(loop: spec.Loop, target, drafter, tstate, s: spec.SpecState, drafts):
     """Target forward of `[anchor, drafts]` at `seq_len` (K/V written), head, greedy accept."""
     prop = Proposal(drafts, smp.OneHotQ(), jnp.full(drafts.shape[:1], loop.verify_cap, jnp.int32))
-    tstate, pending, m, nxt, taps = loop.verify(target, drafter, s.replace(target_state=tstate), prop)
-    return tstate, pending, m, nxt, taps
+    return loop.verify(target, drafter, s.replace(target_state=tstate), prop)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def commit_step(loop: spec.Loop, target, drafter, s: spec.SpecState, pending, drafts, m, nxt, taps, stop_tokens):
+def commit_step(loop: spec.Loop, target, drafter, s: spec.SpecState, pending, drafts, m, nxt, taps, n_finite,
+                stop_tokens):
     """The tail of `Loop.round`: append, commit the kept positions of both models, ingest the block's taps."""
     prop = Proposal(drafts, smp.OneHotQ(), jnp.full(drafts.shape[:1], loop.verify_cap, jnp.int32))
-    return loop.advance(target, drafter, s, prop, s.target_state, pending, m, nxt, taps, stop_tokens)
+    return loop.advance(target, drafter, s, prop, s.target_state, pending, m, nxt, taps, n_finite, stop_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -118,13 +118,13 @@ def measure_phases(cell: acc.Cell, reference: np.ndarray, tau: float, calls: int
     recompiles += n
     res["drafter_dropped_with_inject"] = res["draft_injected_s"] < 0.5 * res["draft_s"]
     rest = s.replace(target_state=None)
-    res["verify_s"], res["verify_blocked_s"], (tstate, pending, m, nxt, taps), n = time_chain(
+    res["verify_s"], res["verify_blocked_s"], (tstate, pending, m, nxt, taps, n_finite), n = time_chain(
         lambda c: verify_step(loop, target, drafter, c[0], rest, drafts), (s.target_state,), calls, reps, counter)
     recompiles += n
     frozen = s.replace(target_state=tstate, done=jnp.asarray(np.ones(cell.batch, bool)))
     res["commit_ingest_s"], res["commit_ingest_blocked_s"], frozen, n = time_chain(
-        lambda f: commit_step(loop, target, drafter, f, pending, drafts, m, nxt, taps, stops), frozen, calls, reps,
-        counter)
+        lambda f: commit_step(loop, target, drafter, f, pending, drafts, m, nxt, taps, n_finite, stops), frozen, calls,
+        reps, counter)
     recompiles += n
     cell.state = frozen
     ploop = PlainLoop(cell.new, loop.chunk, True, False, loop.impl)

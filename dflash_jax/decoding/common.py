@@ -157,16 +157,37 @@ def append_tokens(out: jax.Array, n_out: jax.Array, emitted: jax.Array, n_emit: 
     return out, n_out + kept, kept, first_stop < kept
 
 
-def open_output(first: jax.Array, max_new_tokens: int, room: int, stop_tokens: jax.Array):
+def open_output(first: jax.Array, max_new_tokens: int, room: int, stop_tokens: jax.Array,
+                finite: Optional[jax.Array] = None):
     """The output once the token chosen at prefill, `first int32[B]`, is appended:
     `(out int32[B, max_new_tokens + room], n_out, done, limit)`; `room` columns past the limit
-    take a round's overhang."""
+    take a round's overhang. A row whose prefill logits were not `finite` keeps nothing and is done."""
     b = first.shape[0]
+    bad = jnp.zeros((b,), bool) if finite is None else ~finite
     limit = jnp.full((b,), max_new_tokens, jnp.int32)
     out = jnp.zeros((b, max_new_tokens + room), jnp.int32)
     out, n_out, _, stopped = append_tokens(out, jnp.zeros((b,), jnp.int32), first[:, None], jnp.ones((b,), jnp.int32),
-                                           jnp.zeros((b,), bool), stop_tokens, limit)
-    return out, n_out, stopped | (n_out >= limit), limit
+                                           bad, stop_tokens, limit)
+    return out, n_out, stopped | (n_out >= limit) | bad, limit
+
+
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """bool[...]: the logits `[..., V]` of a row are all finite. One reduction over logits the loop
+    already holds, so XLA fuses it with the argmax or softmax that reads them."""
+    return jnp.isfinite(logits).all(axis=-1)
+
+
+def check_finite(nonfinite_at, lengths) -> None:
+    """FloatingPointError naming every row whose target logits were not finite. `nonfinite_at[b]`
+    is the index of the generated token those logits would have chosen (-1: none); `lengths[b]` the
+    row's prompt tokens, so the logits came from sequence position `lengths[b] + nonfinite_at[b] - 1`."""
+    bad = [(b, int(i)) for b, i in enumerate(np.asarray(nonfinite_at)) if i >= 0]
+    if bad:
+        rows = "; ".join(f"row {b} at generated token {i} (logits at sequence position {int(lengths[b]) + i - 1})"
+                         for b, i in bad)
+        raise FloatingPointError(f"the target's logits are not finite (NaN or Inf): {rows}. The checkpoint's "
+                                 "weights or config values (e.g. rms_norm_eps, rope_theta) are not finite, or the "
+                                 "computation overflowed its dtype")
 
 
 def stop_array(stop_tokens, vocab_size: int) -> jax.Array:
@@ -182,14 +203,17 @@ def stop_array(stop_tokens, vocab_size: int) -> jax.Array:
 class Stats:
     """What a generation did. Plain and speculative runs fill the same fields with the same meaning.
 
-    generated: tokens generated, all rows (the first of each row comes from prefill).
+    generated: tokens generated, all rows (the first of each row comes from prefill). A session's
+      count may include tokens its last round made past the last burst, held for the next one.
     rounds: target forward passes after prefill, summed over rows (a plain step is a round
       that commits one token). committed: tokens those rounds committed.
     acceptance_length: committed / rounds, tokens per round (1.0 for plain decoding).
     drafted / accepted: drafts examined (sum of verify_width - 1) and accepted (0 for plain).
     accept_hist: rounds that accepted exactly m drafts, m = 0..nd ([rounds] for plain).
     slot_accepted: per draft slot k, rounds whose slot k was accepted (empty for plain).
-    per_row: the rounds, accepted and committed counts of each row.
+    per_row: the rounds, accepted and committed counts of each row, and `nonfinite_at`: per row
+      None, or the index of the generated token whose target logits were not finite (the row
+      stopped there; `generate` raises instead of returning).
     prefill_time_s: prompt processing and the first token. decode_time_s: everything after.
     wall_time_s: both, measured the same way for plain and speculative decoding.
     tokens_per_s: generated / wall_time_s.
@@ -219,17 +243,19 @@ class Stats:
         return {**dataclasses.asdict(self), "wall_time_s": self.wall_time_s, "tokens_per_s": self.tokens_per_s}
 
 
-def make_stats(n_out, rounds, accepted, committed, drafted, accept_hist, prefill_s: float, decode_s: float) -> Stats:
-    """`Stats` from per-row device counters (`accept_hist` int[B, nd + 1])."""
-    rounds, accepted, committed, drafted, hist, n_out = (np.asarray(x) for x in jax.device_get(
-        (rounds, accepted, committed, drafted, accept_hist, n_out)))
+def make_stats(n_out, rounds, accepted, committed, drafted, accept_hist, nonfinite, prefill_s: float,
+               decode_s: float) -> Stats:
+    """`Stats` from per-row device counters (`accept_hist` int[B, nd + 1], `nonfinite` int[B], -1: none)."""
+    rounds, accepted, committed, drafted, hist, nonfinite, n_out = (np.asarray(x) for x in jax.device_get(
+        (rounds, accepted, committed, drafted, accept_hist, nonfinite, n_out)))
     total_hist = hist.sum(axis=0)
     return Stats(
         generated=int(n_out.sum()), rounds=int(rounds.sum()), committed=int(committed.sum()),
         acceptance_length=float(committed.sum()) / max(int(rounds.sum()), 1), drafted=int(drafted.sum()),
         accepted=int(accepted.sum()), accept_hist=total_hist.tolist(),
         slot_accepted=np.cumsum(total_hist[::-1])[::-1][1:].tolist(),
-        per_row={"rounds": rounds.tolist(), "accepted": accepted.tolist(), "committed": committed.tolist()},
+        per_row={"rounds": rounds.tolist(), "accepted": accepted.tolist(), "committed": committed.tolist(),
+                 "nonfinite_at": [None if i < 0 else int(i) for i in nonfinite]},
         prefill_time_s=float(prefill_s), decode_time_s=float(decode_s))
 
 

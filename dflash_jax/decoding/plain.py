@@ -18,7 +18,9 @@ from dflash_jax.decoding.common import (
     Result,
     append_tokens,
     check_capacity,
+    check_finite,
     choose,
+    finite_rows,
     make_stats,
     open_output,
     pack_prompts,
@@ -36,7 +38,8 @@ class PlainState:
     out: int32[B, N + 1] generated tokens (the first n_out[b] are real).
     n_out: int32[B] tokens generated per row.
     token: int32[B] the last generated token, not yet in the target state (it sits at seq_len).
-    done: bool[B] row finished (stop token or its token limit).
+    done: bool[B] row finished (stop token, its token limit, or logits that are not finite).
+    nonfinite: int32[B] index of the generated token whose target logits were not finite (-1: none).
     limit: int32[B] row stops when n_out reaches it (max_new_tokens).
     state: the target's decoding state.
     rp: per-row sampling parameters.
@@ -47,6 +50,7 @@ class PlainState:
     n_out: jax.Array
     token: jax.Array
     done: jax.Array
+    nonfinite: jax.Array
     limit: jax.Array
     state: object
     rp: smp.RowParams
@@ -71,13 +75,16 @@ class PlainLoop:
         if self.penalties:
             valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
             counts = counts.at[jnp.arange(b)[:, None], tokens].add(valid.astype(jnp.int32))
-        first = self._pick(target.logits(h_last), rp, counts, jnp.zeros((b,), jnp.int32))
-        return self.begin(first, state, rp, stop_tokens, counts)
+        logits = target.logits(h_last)
+        first = self._pick(logits, rp, counts, jnp.zeros((b,), jnp.int32))
+        return self.begin(first, state, rp, stop_tokens, counts, finite_rows(logits))
 
-    def begin(self, first: jax.Array, state, rp, stop_tokens, counts) -> PlainState:
-        """The carry after the prompt: `state` holds it, `first` is the token chosen after it."""
-        out, n_out, done, limit = open_output(first, self.max_new_tokens, 1, stop_tokens)
-        return PlainState(out, n_out, first, done, limit, state, rp, self._count(counts, first, done))
+    def begin(self, first: jax.Array, state, rp, stop_tokens, counts, finite=None) -> PlainState:
+        """The carry after the prompt: `state` holds it, `first` is the token chosen after it
+        (from logits that were `finite` per row; None: all were)."""
+        out, n_out, done, limit = open_output(first, self.max_new_tokens, 1, stop_tokens, finite)
+        nonfinite = jnp.full(first.shape, -1, jnp.int32) if finite is None else jnp.where(finite, -1, 0)
+        return PlainState(out, n_out, first, done, nonfinite, limit, state, rp, self._count(counts, first, done))
 
     def _pick(self, logits, rp, counts, counter):
         if self.penalties:
@@ -90,15 +97,19 @@ class PlainLoop:
         return counts.at[jnp.arange(token.shape[0]), token].add((~done).astype(jnp.int32))
 
     def step(self, target: Target, s: PlainState, stop_tokens) -> PlainState:
-        """Feed the last token, commit it (unless the row is done), choose the next, append it."""
+        """Feed the last token, commit it (unless the row is done), choose the next, append it. A row
+        whose logits are not finite appends nothing, is done, and records where in `nonfinite`."""
         h, _, state, pending = target.extend(s.state, s.token[:, None], s.state.seq_len, impl=self.impl)
         state = target.commit(state, pending, (~s.done).astype(jnp.int32))
-        nxt = self._pick(target.logits(h[:, 0]), s.rp, s.counts, s.n_out)
-        out, n_out, kept, stopped = append_tokens(s.out, s.n_out, nxt[:, None], jnp.ones_like(s.n_out), s.done,
-                                                  stop_tokens, s.limit)
-        done = s.done | stopped | (n_out >= s.limit)
-        return s.replace(out=out, n_out=n_out, token=jnp.where(kept > 0, nxt, s.token), done=done, state=state,
-                         counts=self._count(s.counts, nxt, s.done))
+        logits = target.logits(h[:, 0])
+        bad = ~s.done & ~finite_rows(logits)
+        nxt = self._pick(logits, s.rp, s.counts, s.n_out)
+        out, n_out, kept, stopped = append_tokens(s.out, s.n_out, nxt[:, None], jnp.ones_like(s.n_out),
+                                                  s.done | bad, stop_tokens, s.limit)
+        done = s.done | bad | stopped | (n_out >= s.limit)
+        return s.replace(out=out, n_out=n_out, token=jnp.where(kept > 0, nxt, s.token), done=done,
+                         nonfinite=jnp.where(bad, s.n_out, s.nonfinite), state=state,
+                         counts=self._count(s.counts, nxt, s.done | bad))
 
     def run(self, target: Target, s: PlainState, stop_tokens) -> PlainState:
         return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: self.step(target, s, stop_tokens), s)
@@ -133,9 +144,10 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
                                     target.init_state(p.batch, cap), rp, stops))
     t1 = time.perf_counter()
     s = run(loop, target, s, stops)
-    out, n_out = jax.device_get((s.out, s.n_out))
+    out, n_out, nonfinite = jax.device_get((s.out, s.n_out, s.nonfinite))
     t2 = time.perf_counter()
+    check_finite(nonfinite, p.lengths)
     steps = jnp.maximum(jnp.asarray(n_out) - 1, 0)
-    stats = make_stats(n_out, steps, jnp.zeros_like(steps), steps, jnp.zeros_like(steps), steps[:, None],
+    stats = make_stats(n_out, steps, jnp.zeros_like(steps), steps, jnp.zeros_like(steps), steps[:, None], nonfinite,
                        t1 - t0, t2 - t1)
     return Result(to_lists(out, n_out), stats)

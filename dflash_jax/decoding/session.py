@@ -1,12 +1,15 @@
 """Streaming speculative sessions: the device state lives between calls.
 
 `Session.burst(n)` runs rounds until every row has up to n more tokens (or is done) and
-returns them; `generate` is a session run to the end. The random stream's counter lives in
-the state, so bursts give exactly the tokens of one uninterrupted run.
+returns them; `generate` is a session run to the end. Rounds are never cut at a burst's end:
+a round's tokens past it wait in the output for the next burst, and every round runs every row
+that is not done, as one uninterrupted run does. With the random stream's counter in the state,
+bursts give exactly the tokens of one uninterrupted run, sampled or greedy.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -17,20 +20,31 @@ import numpy as np
 from dflash_jax import sampling as smp
 from dflash_jax.config import check_fits_target, policy
 from dflash_jax.decoding import speculative as spec
-from dflash_jax.decoding.common import Result, Stats, check_capacity, make_stats, pack_prompts, stop_array, to_lists
+from dflash_jax.decoding.common import (
+    Result,
+    Stats,
+    check_capacity,
+    check_finite,
+    make_stats,
+    pack_prompts,
+    stop_array,
+    to_lists,
+)
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.targets.base import Target
 
 
 @dataclasses.dataclass
 class Burst:
-    """What one burst produced: per row the new tokens, and the burst's counts."""
+    """What one burst produced: per row the new tokens, and the burst's counts. `start[b]` is where
+    row b's new tokens begin in the row's output (the tokens earlier bursts returned)."""
 
     tokens: list
     rounds: int
     drafted: int
     accepted: int
     wall_time_s: float
+    start: list
 
 
 class Session:
@@ -42,6 +56,8 @@ class Session:
     `verify_t` caps the anchor plus drafts examined per round (keyword > DFLASH_VERIFY_T > nd + 1).
     `verify_buckets` are static block widths a round may verify instead of the full block
     (keyword > DFLASH_VERIFY_BUCKETS > `policy.verify_buckets`'s measured default; see `speculative.Loop`).
+    Threads may share a session: its calls take turns. Target logits that are not finite raise
+    FloatingPointError naming the row and position (at the prefill, here).
     """
 
     def __init__(self, target: Target, drafter: Drafter, prompts, *, max_new_tokens: int, stop_tokens=(),
@@ -70,47 +86,74 @@ class Session:
         self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                                 target.init_state(p.batch, cap), drafter.init_state(p.batch, cap),
                                 smp.row_params(sampling, p.batch), self.stop_tokens, inject)
-        jax.block_until_ready(self.state)
+        self._lengths = p.lengths
+        self._lock = threading.Lock()
+        self._fetch()
         self._n_seen = np.zeros(p.batch, np.int64)
         self.prefill_time_s = time.perf_counter() - t0
         self.decode_time_s = 0.0
+        check_finite(self._nonfinite, self._lengths)
+
+    def _fetch(self):
+        """Host copies of what the bursts read: the output, its lengths, done and the counters."""
+        s = self.state
+        self._out, self._n_out, self._done, self._nonfinite, self._counts = jax.device_get(
+            (s.out, s.n_out, s.done, s.nonfinite, s.stats))
 
     @property
     def finished(self) -> bool:
-        return bool(jnp.all(self.state.done))
+        """Every row is done and every token it generated was returned."""
+        with self._lock:
+            return bool(self._done.all() and (self._n_seen == self._n_out).all())
 
     @property
     def position(self) -> np.ndarray:
-        """Tokens held per row (prompt + generated tokens committed to the cache)."""
-        return np.asarray(jax.device_get(self.state.target_state.seq_len))
+        """Tokens held per row (prompt + generated tokens committed to the cache, including those a
+        round made past the last burst)."""
+        with self._lock:
+            return np.asarray(jax.device_get(self.state.target_state.seq_len))
 
     @property
     def stats(self) -> Stats:
         """Counts so far; `decode_time_s` sums the bursts, `prefill_time_s` is the constructor's."""
-        st = self.state.stats
-        return make_stats(self.state.n_out, st.rounds, st.accepted, st.committed, st.drafted, st.accept_hist,
-                          self.prefill_time_s, self.decode_time_s)
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> Stats:
+        st = self._counts
+        return make_stats(self._n_out, st.rounds, st.accepted, st.committed, st.drafted, st.accept_hist,
+                          self._nonfinite, self.prefill_time_s, self.decode_time_s)
 
     def burst(self, n: int) -> Burst:
         """Return up to `n` more tokens per row (the first burst's include the token chosen at
-        prefill), with this burst's counts."""
-        if not isinstance(n, (int, np.integer)) or n < 1:
+        prefill), with this burst's counts. A size past the tokens the session has left is clamped
+        to them. Raises FloatingPointError naming the row and position where the target's logits
+        were not finite (and again on every later call)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"burst size must be a positive integer; got {n!r}")
-        before = jax.device_get(self.state.stats)
-        s = self.state
-        s = s.replace(limit=jnp.minimum(s.max_new, jnp.asarray(self._n_seen + int(n), jnp.int32)))
+        with self._lock:
+            return self._burst(int(n))
+
+    def _burst(self, n: int) -> Burst:
+        n = min(n, self.loop.max_new_tokens - int(self._n_seen.min()))
+        want = np.minimum(self._n_seen + n, self.loop.max_new_tokens)
+        before = self._counts
         t0 = time.perf_counter()
-        self.state = spec.run(self.loop, self.target, self.drafter, s, self.stop_tokens)
-        out, n_out, after = jax.device_get((self.state.out, self.state.n_out, self.state.stats))
+        self.state = spec.run(self.loop, self.target, self.drafter,
+                              self.state.replace(limit=jnp.asarray(want, jnp.int32)), self.stop_tokens)
+        self._fetch()
         dt = time.perf_counter() - t0
         self.decode_time_s += dt
-        tokens = [out[i, int(self._n_seen[i]): int(n_out[i])].tolist() for i in range(out.shape[0])]
-        self._n_seen = np.asarray(n_out).copy()
-        return Burst(tokens, int((after.rounds - before.rounds).sum()), int((after.drafted - before.drafted).sum()),
-                     int((after.accepted - before.accepted).sum()), dt)
+        check_finite(self._nonfinite, self._lengths)
+        start = self._n_seen
+        self._n_seen = np.minimum(self._n_out, want)
+        after = self._counts
+        return Burst([self._out[i, start[i]: self._n_seen[i]].tolist() for i in range(len(start))],
+                     int((after.rounds - before.rounds).sum()), int((after.drafted - before.drafted).sum()),
+                     int((after.accepted - before.accepted).sum()), dt, start.tolist())
 
     def run(self) -> Result:
         """Run to the end; the tokens of every row from the start."""
-        self.burst(int(self.loop.max_new_tokens))
-        out, n_out = jax.device_get((self.state.out, self.state.n_out))
-        return Result(to_lists(out, n_out), self.stats)
+        with self._lock:
+            self._burst(self.loop.max_new_tokens)
+            return Result(to_lists(self._out, self._n_out), self._stats())

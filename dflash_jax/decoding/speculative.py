@@ -3,9 +3,11 @@
 One round, for every row at once, through the Target and Drafter interfaces only:
 `drafter.propose` -> `target.extend` of `[anchor, drafts]` at `seq_len` -> accept the longest
 agreeing prefix (greedy) or rejection-sample (T > 0), capped by the proposal's verify width ->
-append the kept tokens (cut at a stop token or the row's limit) -> `target.commit` (the only
-rollback) -> `drafter.ingest` of the block's taps and `drafter.commit` of the kept ones. The
-bonus token becomes the next anchor. `Loop.run` is a `lax.while_loop` of rounds.
+append the kept tokens (cut at a stop token, at `max_new_tokens`, or before a verify row whose
+logits are not finite) -> `target.commit` (the only rollback) -> `drafter.ingest` of the block's
+taps and `drafter.commit` of the kept ones. The bonus token becomes the next anchor. `Loop.run`
+is a `lax.while_loop` of rounds; every round runs every row that is not done, so a run split into
+bursts runs exactly the rounds of one uninterrupted run.
 
 Nothing here knows a family: harvest, heads and verify width are the drafter's; the state
 of each model is opaque to the loop but for its `seq_len`.
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax import sampling as smp
-from dflash_jax.decoding.common import append_tokens, choose, open_output, prefill
+from dflash_jax.decoding.common import append_tokens, choose, finite_rows, open_output, prefill
 from dflash_jax.drafters.base import Drafter, Proposal, ProposeSettings
 from dflash_jax.targets.base import Target
 
@@ -48,7 +50,7 @@ STREAM_INJECT = 2
 class Injected:
     """Proposals injected in place of the drafter's (tests and acceptance-controlled benchmarks).
 
-    reference: int32[B, L] the greedy continuation the drafts are copied from (L >= limit + nd).
+    reference: int32[B, L] the greedy continuation the drafts are copied from (L >= max_new_tokens + nd).
     first_wrong: float32[nd + 1] probabilities of the first wrong slot k (k = nd: none wrong);
       a wrong slot holds `(reference + 1) % V`. The drafter still runs, so its cost is paid.
     """
@@ -64,8 +66,10 @@ class SpecState:
     out: int32[B, N + nd + 1] generated tokens (the first n_out[b] are real).
     n_out: int32[B] tokens generated so far per row.
     anchor: int32[B] last generated token, not yet in the target state (it sits at its seq_len).
-    done: bool[B] row finished (stop token or max_new_tokens).
-    limit: int32[B] the row pauses when n_out reaches it (a burst's end or max_new_tokens).
+    done: bool[B] row finished (stop token, max_new_tokens, or target logits that are not finite).
+    nonfinite: int32[B] index of the generated token whose target logits were not finite (-1: none).
+    limit: int32[B] `run` returns once every row not done has n_out >= limit (a burst's end). Rounds
+      are not cut there: a row may run past it, its extra tokens wait in `out` for the next burst.
     max_new: int32[B] the row finishes when n_out reaches it.
     target_state: the target's state; its seq_len[b] positions are committed.
     drafter_state: the drafter's state; its seq_len equals the target's (taps of committed tokens).
@@ -79,6 +83,7 @@ class SpecState:
     n_out: jax.Array
     anchor: jax.Array
     done: jax.Array
+    nonfinite: jax.Array
     limit: jax.Array
     max_new: jax.Array
     target_state: object
@@ -121,18 +126,22 @@ class Loop:
         """Chunked prefill whose taps fill the drafter's context, then the first token from the target."""
         h_last, tstate, dstate = prefill(target, tstate, tokens, lengths, self.chunk, drafter, dstate, self.impl)
         keys = smp.rng_key(rp.seed, jnp.zeros(tokens.shape[:1], jnp.int32), smp.STREAM_TARGET)
-        first = choose(target.logits(h_last), rp, keys, self.all_greedy)
-        return self.begin(drafter, first, tstate, dstate, rp, stop_tokens, inject)
+        logits = target.logits(h_last)
+        first = choose(logits, rp, keys, self.all_greedy)
+        return self.begin(drafter, first, tstate, dstate, rp, stop_tokens, inject, finite_rows(logits))
 
-    def begin(self, drafter: Drafter, first: jax.Array, tstate, dstate, rp, stop_tokens, inject=None) -> SpecState:
-        """The carry after the prompt: both states hold it, `first` is the token chosen after it."""
+    def begin(self, drafter: Drafter, first: jax.Array, tstate, dstate, rp, stop_tokens, inject=None,
+              finite=None) -> SpecState:
+        """The carry after the prompt: both states hold it, `first` is the token chosen after it
+        (from logits that were `finite` per row; None: all were)."""
         b, nd = first.shape[0], drafter.n_drafts
-        out, n_out, done, max_new = open_output(first, self.max_new_tokens, nd + 1, stop_tokens)
+        out, n_out, done, max_new = open_output(first, self.max_new_tokens, nd + 1, stop_tokens, finite)
         zeros = jnp.zeros((b,), jnp.int32)
+        nonfinite = zeros - 1 if finite is None else jnp.where(finite, -1, 0)
         stats = SpecStats(zeros, zeros, zeros, zeros, jnp.zeros((b, nd + 1), jnp.int32))
-        return SpecState(out=out, n_out=n_out, anchor=first, done=done, limit=max_new, max_new=max_new,
-                         target_state=tstate, drafter_state=dstate, counter=zeros + 1, rp=rp, stats=stats,
-                         inject=inject)
+        return SpecState(out=out, n_out=n_out, anchor=first, done=done, nonfinite=nonfinite, limit=max_new,
+                         max_new=max_new, target_state=tstate, drafter_state=dstate, counter=zeros + 1, rp=rp,
+                         stats=stats, inject=inject)
 
     def propose(self, target: Target, drafter: Drafter, s: SpecState) -> Proposal:
         """The drafter's proposal for this round (with injected drafts in their place when given)."""
@@ -166,27 +175,33 @@ class Loop:
                                       prop.verify_width, keys)
 
     def verify(self, target: Target, drafter: Drafter, s: SpecState, prop: Proposal):
-        """The target on `[anchor, drafts]` at `seq_len`, then accept: `(tstate, pending, m, next, taps)`;
-        nothing is committed yet."""
+        """The target on `[anchor, drafts]` at `seq_len`, then accept: `(tstate, pending, m, next, taps,
+        n_finite)`, n_finite[b] the leading block rows whose logits are finite; nothing is committed yet."""
         block = jnp.concatenate([s.anchor[:, None], prop.drafts], axis=1)
         h, taps, tstate, pending = target.extend(s.target_state, block, s.target_state.seq_len, drafter.tap_ids,
                                                  self.impl)
-        m, nxt = self.accept(s, target.logits(h), prop)
-        return tstate, pending, m, nxt, taps
+        tlogits = target.logits(h)
+        m, nxt = self.accept(s, tlogits, prop)
+        n_finite = jnp.sum(jnp.cumprod(finite_rows(tlogits), axis=1, dtype=jnp.int32), axis=1)
+        return tstate, pending, m, nxt, taps, n_finite
 
     @staticmethod
     def advance(target: Target, drafter: Drafter, s: SpecState, prop: Proposal, tstate, pending, m, nxt, taps,
-                stop_tokens) -> SpecState:
-        """Append `anchor + m drafts` and the next token (cut at a stop token or the row's limit),
-        commit the kept positions in both models, count."""
+                n_finite, stop_tokens) -> SpecState:
+        """Append `m drafts` and the next token (cut at a stop token or max_new_tokens), commit the kept
+        positions in both models, count. A row whose block row j <= m has logits that are not finite
+        keeps only the j tokens before it, is done, and records where in `nonfinite`."""
         nd = drafter.n_drafts
         active = ~s.done
         slots = jnp.arange(nd + 1)[None, :]
         width = prop.drafts.shape[1] + 1
+        m = jnp.minimum(m, n_finite)
         emitted = jnp.where(jnp.arange(width)[None, :] == m[:, None], nxt[:, None],
                             jnp.pad(prop.drafts, ((0, 0), (0, 1))))
-        out, n_out, kept, stopped = append_tokens(s.out, s.n_out, emitted, m + 1, s.done, stop_tokens, s.limit)
-        done = s.done | stopped | (n_out >= s.max_new)
+        out, n_out, kept, stopped = append_tokens(s.out, s.n_out, emitted, jnp.minimum(m + 1, n_finite), s.done,
+                                                  stop_tokens, s.max_new)
+        bad = active & (n_finite <= m) & ~stopped & (n_out < s.max_new)
+        done = s.done | stopped | (n_out >= s.max_new) | bad
         anchor = jnp.where(kept > 0, jnp.take_along_axis(emitted, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0], s.anchor)
         tstate = target.commit(tstate, pending, kept)
         dstate, dpending = drafter.ingest(s.drafter_state, taps, s.target_state.seq_len, prop)
@@ -197,8 +212,8 @@ class Loop:
         stats = SpecStats(rounds=st.rounds + a, drafted=st.drafted + a * (prop.verify_width - 1),
                           accepted=st.accepted + a * m, committed=st.committed + kept,
                           accept_hist=st.accept_hist + a[:, None] * (slots == m[:, None]))
-        return s.replace(out=out, n_out=n_out, anchor=anchor, done=done, target_state=tstate, drafter_state=dstate,
-                         counter=s.counter + a, stats=stats)
+        return s.replace(out=out, n_out=n_out, anchor=anchor, done=done, nonfinite=jnp.where(bad, n_out, s.nonfinite),
+                         target_state=tstate, drafter_state=dstate, counter=s.counter + a, stats=stats)
 
     def round(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
         """Propose -> verify -> accept -> append -> commit (roll back) -> ingest."""
@@ -206,8 +221,8 @@ class Loop:
 
         def finish(width: int) -> SpecState:
             p = narrow(prop, width)
-            tstate, pending, m, nxt, taps = self.verify(target, drafter, s, p)
-            return self.advance(target, drafter, s, p, tstate, pending, m, nxt, taps, stop_tokens)
+            tstate, pending, m, nxt, taps, n_finite = self.verify(target, drafter, s, p)
+            return self.advance(target, drafter, s, p, tstate, pending, m, nxt, taps, n_finite, stop_tokens)
 
         widths = (*sorted(set(self.verify_buckets)), prop.drafts.shape[1] + 1)
         if len(widths) == 1:
@@ -216,17 +231,14 @@ class Loop:
         return jax.lax.switch(jnp.sum(jnp.asarray(widths) < need), [functools.partial(finish, w) for w in widths])
 
     def run(self, target: Target, drafter: Drafter, s: SpecState, stop_tokens) -> SpecState:
-        """Rounds until every row is done or has reached its limit."""
+        """Rounds of every row not done, until every such row has reached its limit. A row past its
+        limit keeps running while others catch up, so the rounds and their random draws never depend
+        on where a session's bursts end (its extra tokens wait in `out`)."""
 
         def cond(s):
             return jnp.any(~s.done & (s.n_out < s.limit))
 
-        def body(s):
-            paused = s.done | (s.n_out >= s.limit)
-            r = self.round(target, drafter, s.replace(done=paused), stop_tokens)
-            return r.replace(done=s.done | (r.done & ~paused))
-
-        return jax.lax.while_loop(cond, body, s)
+        return jax.lax.while_loop(cond, lambda s: self.round(target, drafter, s, stop_tokens), s)
 
 
 def narrow(prop: Proposal, width: int) -> Proposal:
