@@ -41,7 +41,11 @@ class Prompts:
 
 def is_integer(value) -> bool:
     """A Python or numpy integer; bools are not (True is not a count or a token id)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    return _integral(type(value))
+
+
+def _integral(kind: type) -> bool:
+    return issubclass(kind, numbers.Integral) and not issubclass(kind, (bool, np.bool_))
 
 
 def integer(name: str, value, low: int, valid: str) -> int:
@@ -58,24 +62,30 @@ def integers(name: str, values, low: int, high: int, what: str, valid: str) -> n
     exactly (2**70 and uint64 ids are out of range, not overflows); bools and floats are refused."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise ValueError(f"{name}={values!r:.40} is not a list of {what}s; expected integers in {valid}")
-    arr = np.asarray(values) if isinstance(values, (np.ndarray, jax.Array)) else None
-    if arr is not None and arr.ndim != 1:
-        raise ValueError(f"{name} must be a flat list of {what}s; got shape {arr.shape}")
-    if arr is not None and arr.dtype != object:
-        if arr.dtype.kind not in "iu":
+    items = None
+    if isinstance(values, (np.ndarray, jax.Array)):
+        arr = np.asarray(values)
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be a flat list of {what}s; got shape {arr.shape}")
+        if arr.dtype.kind not in "iuO":
             raise ValueError(f"{name} holds non-integer {what}s (dtype {arr.dtype}); expected integers in {valid}")
-        bad = arr[(arr < low) | (arr >= high)]
-        items = arr
+        items = arr.tolist() if arr.dtype.kind == "O" else None
     else:
         items = list(values)
-        for v in items:
-            if not is_integer(v):
-                raise ValueError(f"{name} holds {v!r:.40} ({type(v).__name__}), a non-integer {what}; expected "
-                                 f"integers in {valid}")
+    if items is not None:
+        odd = {kind for kind in set(map(type, items)) if not _integral(kind)}
+        if odd:
+            v = next(v for v in items if type(v) in odd)
+            raise ValueError(f"{name} holds {v!r:.40} ({type(v).__name__}), a non-integer {what}; expected "
+                             f"integers in {valid}")
+        arr = np.asarray(items)
+    if arr.dtype.kind in "iu":
+        bad = arr[(arr < low) | (arr >= high)]
+    else:  # integers no numpy dtype holds (past 64 bits, or uint64 beside negatives): compared in Python
         bad = [v for v in items if not low <= v < high]
     if len(bad):
         raise ValueError(f"{name} has {what} {int(bad[0])} outside {valid}")
-    return np.asarray(items, np.int32)
+    return np.asarray(arr if arr.dtype.kind in "iu" else items, np.int32)
 
 
 def pack_prompts(prompts, vocab_size: int, chunk: int = PREFILL_CHUNK, lengths=None) -> Prompts:
