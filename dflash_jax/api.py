@@ -12,7 +12,7 @@ import numpy as np
 from dflash_jax import sampling as smp
 from dflash_jax.config import check_fits_target, policy
 from dflash_jax.decoding import speculative as spec
-from dflash_jax.decoding.common import Result, check_capacity, pack_prompts, stop_array
+from dflash_jax.decoding.common import Result, check_capacity, check_memory, pack_prompts, stop_array
 from dflash_jax.decoding.plain import plain_generate
 from dflash_jax.decoding.session import Session
 from dflash_jax.drafters.base import Drafter
@@ -33,14 +33,19 @@ def load_drafter(path, target: Target | None = None, dtype=None, **overrides) ->
 
 
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),
-             sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
-             impl: Optional[str] = None, verify_t: Optional[int] = None, verify_buckets=None) -> Result:
+             sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
+             capacity: Optional[int] = None, impl: Optional[str] = None, verify_t: Optional[int] = None,
+             verify_buckets=None, lengths=None) -> Result:
     """Generate up to `max_new_tokens` per prompt, exactly as the target alone would.
 
-    prompts: a list of token-id lists (ragged) or a 2-D int array. stop_tokens: ids that end
-    a row (kept in its output). sampling: one `Sampling` for all rows or one per row
-    (temperature 0 is greedy). verify_t caps the drafts examined per round, and verify_buckets
-    lists smaller static blocks a round may verify instead of the full one (speculative only).
+    prompts: a list of token-id lists (ragged), or a 2-D int array whose every token is real
+    unless `lengths` gives each row's valid length (the rest of the row is padding, ignored).
+    stop_tokens: ids that end a row (kept in its output); one id or None (no stop token) also do.
+    sampling: one `Sampling` for all rows or one per row (temperature 0 is greedy; None is the
+    default `Sampling()`). capacity: cache positions per row (default: what the run needs);
+    caches that do not fit the free memory are refused before allocation. verify_t caps the drafts
+    examined per round, and verify_buckets lists smaller static blocks a round may verify instead
+    of the full one (speculative only). Integers and numbers may be Python or numpy scalars.
     Plain decoding when `drafter` is None. Returns `Result(tokens, stats)`; one compiled
     program is reused for calls with the same static shapes.
     """
@@ -49,10 +54,10 @@ def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tok
             raise ValueError("verify_t and verify_buckets shape a round's verify; plain decoding (drafter=None) "
                              "has none")
         return plain_generate(target, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
-                              sampling=sampling, capacity=capacity, impl=impl)
+                              sampling=sampling, capacity=capacity, impl=impl, lengths=lengths)
     return Session(target, drafter, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                    sampling=sampling, capacity=capacity, impl=impl, verify_t=verify_t,
-                   verify_buckets=verify_buckets).run()
+                   verify_buckets=verify_buckets, lengths=lengths).run()
 
 
 @dataclasses.dataclass
@@ -72,12 +77,14 @@ def _propose(loop: spec.Loop, target, drafter, tokens, lengths, tstate, dstate, 
     return prop.drafts, prop.logits, s.anchor
 
 
-def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = None) -> Proposal:
-    """Prefill `prompts`, take the target's next token as anchor, and draft one block (greedy)."""
+def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = None, lengths=None) -> Proposal:
+    """Prefill `prompts` (as `generate` reads them, `lengths` included), take the target's next
+    token as anchor, and draft one block (greedy)."""
     check_fits_target(drafter.config, target.config)
     impl = policy.attention_impl(impl)
-    p = pack_prompts(prompts, target.config.vocab_size)
+    p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.n_drafts + 1, None)
+    check_memory(target, drafter, p.batch, cap)
     loop = spec.Loop(1, p.chunk, True, "argmax", impl, drafter.n_drafts + 1)
     out = _propose(loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                    target.init_state(p.batch, cap), drafter.init_state(p.batch, cap),

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Sequence, Union
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 STREAM_DRAFT = 0
@@ -87,20 +89,25 @@ class Sampling:
 
 def _check_real(s: Sampling, name: str, ok, expected: str) -> None:
     value = getattr(s, name)
-    valid = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and ok(value)
-    )
-    if not valid:
+    number = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if not number:
+        raise ValueError(f"Sampling.{name}={value!r} is not a number: expected a real number {expected}.")
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x):
+        raise ValueError(f"Sampling.{name}={value!r:.40} is not finite: expected {expected}.")
+    if not ok(x):
         raise ValueError(f"Sampling.{name}={value!r} is invalid: expected {expected}.")
+    object.__setattr__(s, name, x)
 
 
 def _check_int(s: Sampling, name: str, ok, expected: str) -> None:
     value = getattr(s, name)
-    if not (isinstance(value, int) and not isinstance(value, bool) and ok(value)):
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)) and ok(value)):
         raise ValueError(f"Sampling.{name}={value!r} is invalid: expected an integer {expected}.")
+    object.__setattr__(s, name, int(value))
 
 
 def _active_penalties(s: Sampling) -> list[str]:
@@ -108,15 +115,36 @@ def _active_penalties(s: Sampling) -> list[str]:
     return [f"{n}={getattr(s, n)!r}" for n, v in neutral.items() if getattr(s, n) != v]
 
 
-def _as_rows(s: Union[Sampling, Sequence[Sampling]]) -> list[Sampling]:
-    rows = [s] if isinstance(s, Sampling) else list(s)
+def _as_rows(s: Union[Sampling, Sequence[Sampling], None]) -> list[Sampling]:
+    if s is None or isinstance(s, Sampling):
+        return [Sampling() if s is None else s]
+    if isinstance(s, (str, bytes)) or not isinstance(s, Sequence):
+        raise ValueError(f"sampling={s!r:.60} is invalid: expected a Sampling, a list with one per row, "
+                         "or None (greedy).")
+    rows = list(s)
     for i, r in enumerate(rows):
         if not isinstance(r, Sampling):
             raise ValueError(f"row {i} is a {type(r).__name__}, expected a Sampling.")
     return rows
 
 
-def check_speculative(s: Union[Sampling, Sequence[Sampling]]) -> None:
+def per_row(s: Union[Sampling, Sequence[Sampling], None], batch: int) -> list[Sampling]:
+    """One Sampling per row: `s` for every row (None is the default, greedy `Sampling()`), or a
+    list that must have length `batch`."""
+    if not (isinstance(batch, int) and batch >= 1):
+        raise ValueError(f"batch={batch!r} is invalid: expected an integer >= 1.")
+    rows = _as_rows(s)
+    if s is None or isinstance(s, Sampling):
+        return rows * batch
+    if len(rows) != batch:
+        raise ValueError(
+            f"got {len(rows)} Sampling rows for a batch of {batch}; pass one Sampling "
+            f"for all rows or exactly {batch}."
+        )
+    return rows
+
+
+def check_speculative(s: Union[Sampling, Sequence[Sampling], None]) -> None:
     """Refuse penalties for speculative decoding (as the original does), greedy or sampled.
 
     A penalty depends on every token generated before a position, so each position of a
@@ -148,18 +176,9 @@ class RowParams:
     presence_penalty: jax.Array  # f32[B]; 0 = off
 
 
-def row_params(s: Union[Sampling, Sequence[Sampling]], batch: int) -> RowParams:
-    """One Sampling for every row, or one per row (the list must have length `batch`)."""
-    if not (isinstance(batch, int) and batch >= 1):
-        raise ValueError(f"batch={batch!r} is invalid: expected an integer >= 1.")
-    rows = _as_rows(s)
-    if isinstance(s, Sampling):
-        rows = rows * batch
-    if len(rows) != batch:
-        raise ValueError(
-            f"got {len(rows)} Sampling rows for a batch of {batch}; pass one Sampling "
-            f"for all rows or exactly {batch}."
-        )
+def row_params(s: Union[Sampling, Sequence[Sampling], None], batch: int) -> RowParams:
+    """One Sampling for every row (None: greedy), or one per row (the list must have length `batch`)."""
+    rows = per_row(s, batch)
 
     def col(name, dtype, fn=lambda v: v):
         return jnp.asarray([fn(getattr(r, name)) for r in rows], dtype)

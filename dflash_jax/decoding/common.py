@@ -8,6 +8,10 @@ used here (docs/architecture.md).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import os
+from collections.abc import Iterable
 from typing import Optional, Sequence
 
 import jax
@@ -35,13 +39,65 @@ class Prompts:
         return self.tokens.shape[0]
 
 
-def pack_prompts(prompts, vocab_size: int, chunk: int = PREFILL_CHUNK) -> Prompts:
+def is_integer(value) -> bool:
+    """A Python or numpy integer; bools are not (True is not a count or a token id)."""
+    return _integral(type(value))
+
+
+def _integral(kind: type) -> bool:
+    return issubclass(kind, numbers.Integral) and not issubclass(kind, (bool, np.bool_))
+
+
+def integer(name: str, value, low: int, valid: str) -> int:
+    """`value` as a Python int when it is an integer >= `low`, else ValueError naming `name`, the
+    value and `valid` (what would be accepted)."""
+    if not is_integer(value) or value < low:
+        raise ValueError(f"{name} must be {valid}; got {value!r}")
+    return int(value)
+
+
+def integers(name: str, values, low: int, high: int, what: str, valid: str) -> np.ndarray:
+    """A flat list or 1-D array of integers in [low, high) as int32, else ValueError naming `name`,
+    the offending value and `valid`. Python and numpy integers of any width are accepted and compared
+    exactly (2**70 and uint64 ids are out of range, not overflows); bools and floats are refused."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name}={values!r:.40} is not a list of {what}s; expected integers in {valid}")
+    items = None
+    if isinstance(values, (np.ndarray, jax.Array)):
+        arr = np.asarray(values)
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be a flat list of {what}s; got shape {arr.shape}")
+        if arr.dtype.kind not in "iuO":
+            raise ValueError(f"{name} holds non-integer {what}s (dtype {arr.dtype}); expected integers in {valid}")
+        items = arr.tolist() if arr.dtype.kind == "O" else None
+    else:
+        items = list(values)
+    if items is not None:
+        odd = {kind for kind in set(map(type, items)) if not _integral(kind)}
+        if odd:
+            v = next(v for v in items if type(v) in odd)
+            raise ValueError(f"{name} holds {v!r:.40} ({type(v).__name__}), a non-integer {what}; expected "
+                             f"integers in {valid}")
+        arr = np.asarray(items)
+    if arr.dtype.kind in "iu":
+        bad = arr[(arr < low) | (arr >= high)]
+    else:  # integers no numpy dtype holds (past 64 bits, or uint64 beside negatives): compared in Python
+        bad = [v for v in items if not low <= v < high]
+    if len(bad):
+        raise ValueError(f"{name} has {what} {int(bad[0])} outside {valid}")
+    return np.asarray(arr if arr.dtype.kind in "iu" else items, np.int32)
+
+
+def pack_prompts(prompts, vocab_size: int, chunk: int = PREFILL_CHUNK, lengths=None) -> Prompts:
     """Validate ragged prompts (list of token-id lists, or a 2-D int array) and pad them.
 
-    The padded length is rounded up to a power of two (at least 16), or to a multiple of
-    `chunk` past it, so nearby prompt lengths share one compiled program.
+    A 2-D array is read as all real tokens unless `lengths` gives each row's valid length (its
+    tokens past that are padding, ignored). The padded length is rounded up to a power of two (at
+    least 16), or to a multiple of `chunk` past it, so nearby prompt lengths share one compiled program.
     """
-    if isinstance(prompts, (np.ndarray, jax.Array)):
+    if lengths is not None:
+        rows = _cut_rows(prompts, lengths)
+    elif isinstance(prompts, (np.ndarray, jax.Array)):
         arr = np.asarray(prompts)
         if arr.ndim != 2:
             raise ValueError(f"prompts array must be 2-D [batch, time]; got shape {arr.shape}")
@@ -53,21 +109,16 @@ def pack_prompts(prompts, vocab_size: int, chunk: int = PREFILL_CHUNK) -> Prompt
     if not rows:
         raise ValueError("prompts is empty: give at least one prompt")
     out = []
+    vocab = f"the vocabulary [0, {vocab_size})"
     for i, row in enumerate(rows):
         if isinstance(row, (str, bytes)):
             raise ValueError(f"prompt {i} is text; encode it to token ids first (e.g. with the model's tokenizer)")
-        a = np.asarray(row)
-        if a.ndim != 1:
-            raise ValueError(f"prompt {i} must be a flat list of token ids; got shape {a.shape}")
+        if not isinstance(row, Iterable):
+            raise ValueError(f"prompt {i} must be a flat list of token ids; got {row!r:.40} (a prompt is a list of "
+                             f"ids; wrap a single prompt as [ids])")
+        a = integers(f"prompt {i}", row, 0, vocab_size, "token id", vocab)
         if a.size == 0:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        integral = a.dtype == object and all(isinstance(t, (int, np.integer)) for t in a)
-        if not (np.issubdtype(a.dtype, np.integer) or integral):
-            raise ValueError(f"prompt {i} holds non-integer token ids (dtype {a.dtype})")
-        a = a.astype(np.int64)
-        if a.min() < 0 or a.max() >= vocab_size:
-            bad = int(a[(a < 0) | (a >= vocab_size)][0])
-            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
         out.append(a)
     lengths = np.array([len(a) for a in out], np.int32)
     longest = int(lengths.max())
@@ -80,24 +131,89 @@ def pack_prompts(prompts, vocab_size: int, chunk: int = PREFILL_CHUNK) -> Prompt
     return Prompts(tokens, lengths, min(chunk, padded))
 
 
+def _cut_rows(prompts, lengths) -> list:
+    """The rows of a 2-D prompt array cut to their `lengths` (validated: one per row, 1..width)."""
+    try:
+        arr = np.asarray(prompts)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or arr.ndim != 2:
+        raise ValueError("lengths= gives the valid length of each row of a 2-D prompt array [batch, time]; "
+                         f"prompts is not one (shape {getattr(arr, 'shape', 'ragged')}). Ragged lists carry their "
+                         "own lengths: pass them without lengths=")
+    batch, width = arr.shape
+    n = integers("lengths", lengths, 1, width + 1, "row length", f"1..{width} (the prompt array's width)")
+    if n.shape != (batch,):
+        raise ValueError(f"lengths has {n.size} entries for {batch} prompt rows; give one length per row")
+    return [row[:k] for row, k in zip(arr, n)]
+
+
 def check_capacity(prompts: Prompts, max_new_tokens: int, limit: int, slack: int, capacity: Optional[int]) -> int:
     """Cache capacity for this run, or ValueError naming the numbers.
 
     `limit` is the model's position limit; `slack` the extra rows a verify block may write.
     """
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}")
-    need = int(prompts.lengths.max()) + int(max_new_tokens)
+    max_new_tokens = integer("max_new_tokens", max_new_tokens, 1, "a positive integer")
+    need = int(prompts.lengths.max()) + max_new_tokens
     if need > limit:
         raise ValueError(f"prompt ({int(prompts.lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
                          f"exceeds the model's max_position_embeddings ({limit})")
     rows = max(need + slack, prompts.tokens.shape[1])
     if capacity is not None:
+        capacity = integer("capacity", capacity, 1, "a positive integer (cache positions per row) or None")
         if capacity < rows:
             raise ValueError(f"capacity {capacity} is too small: prompt ({int(prompts.lengths.max())} tokens) + "
                              f"max_new_tokens ({max_new_tokens}) + verify slack ({slack}) needs {rows}")
-        return int(capacity)
+        return capacity
     return -(-rows // 128) * 128
+
+
+def cache_bytes(target: Target, drafter: Optional[Drafter], batch: int, capacity: int) -> int:
+    """Bytes of the empty decoding states (target, and drafter when given) for `batch` rows of
+    `capacity` positions, from their abstract shapes: nothing is allocated."""
+    shapes = jax.eval_shape(lambda: (target.init_state(batch, capacity),
+                                     None if drafter is None else drafter.init_state(batch, capacity)))
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+
+
+def free_memory(device=None) -> tuple[Optional[int], str]:
+    """`(bytes free, where)` for arrays on `device` (default: JAX's first device): its allocator's
+    `bytes_limit - bytes_in_use`, or for the CPU, which reports no memory stats, the host's
+    available memory (MemAvailable, within a cgroup v2 limit). None when nothing says."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device}"
+    return _host_available(), "host memory"
+
+
+def _host_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as lim, open("/sys/fs/cgroup/memory.current") as cur:
+            limit, used = lim.read().strip(), cur.read().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(used))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def check_memory(target: Target, drafter: Optional[Drafter], batch: int, capacity: int) -> None:
+    """Refuse, before allocating, caches that do not fit the free memory, naming both byte counts."""
+    need = cache_bytes(target, drafter, batch, capacity)
+    free, where = free_memory()
+    if free is not None and need > free:
+        raise ValueError(f"the caches for {batch} row(s) x capacity {capacity} need {need:,} bytes "
+                         f"({need / 2**30:.2f} GiB), but {where} has {free:,} bytes free ({free / 2**30:.2f} GiB); "
+                         f"lower capacity, max_new_tokens or the batch")
 
 
 def prefill(target: Target, state, tokens: jax.Array, lengths: jax.Array, chunk: int,
@@ -191,12 +307,14 @@ def check_finite(nonfinite_at, lengths) -> None:
 
 
 def stop_array(stop_tokens, vocab_size: int) -> jax.Array:
-    """Stop tokens as a non-empty int32 array (-1 pads an empty set: it matches no token)."""
-    ids = [int(t) for t in stop_tokens]
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"stop token {t} is outside the vocabulary [0, {vocab_size})")
-    return jnp.asarray(ids or [-1], jnp.int32)
+    """Stop tokens (a list of ids, one id, or None for none) as a non-empty int32 array (-1 pads
+    an empty set: it matches no token)."""
+    if stop_tokens is None:
+        stop_tokens = ()
+    elif is_integer(stop_tokens):
+        stop_tokens = (stop_tokens,)
+    ids = integers("stop_tokens", stop_tokens, 0, vocab_size, "token id", f"the vocabulary [0, {vocab_size})")
+    return jnp.asarray(ids if ids.size else [-1], jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

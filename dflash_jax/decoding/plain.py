@@ -19,6 +19,7 @@ from dflash_jax.decoding.common import (
     append_tokens,
     check_capacity,
     check_finite,
+    check_memory,
     choose,
     finite_rows,
     make_stats,
@@ -128,17 +129,18 @@ def run(loop: PlainLoop, target: Target, s: PlainState, stop_tokens) -> PlainSta
 
 
 def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=(),
-                   sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(),
-                   capacity: Optional[int] = None, impl: Optional[str] = None) -> Result:
+                   sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
+                   capacity: Optional[int] = None, impl: Optional[str] = None, lengths=None) -> Result:
     """Autoregressive decoding as one jitted `lax.while_loop` after a jitted prefill."""
     impl = policy.attention_impl(impl)
-    p = pack_prompts(prompts, target.config.vocab_size)
+    p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, 1, capacity)
-    rp = smp.row_params(sampling, p.batch)
-    samplings = sampling if isinstance(sampling, Sequence) else [sampling]
+    samplings = smp.per_row(sampling, p.batch)
+    stops = stop_array(stop_tokens, target.config.vocab_size)
+    check_memory(target, None, p.batch, cap)
+    rp = smp.row_params(samplings, p.batch)
     loop = PlainLoop(int(max_new_tokens), p.chunk, all(s.greedy for s in samplings),
                      any(s.has_penalties for s in samplings), impl)
-    stops = stop_array(stop_tokens, target.config.vocab_size)
     t0 = time.perf_counter()
     s = jax.block_until_ready(start(loop, target, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                                     target.init_state(p.batch, cap), rp, stops))

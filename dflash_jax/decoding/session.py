@@ -25,6 +25,9 @@ from dflash_jax.decoding.common import (
     Stats,
     check_capacity,
     check_finite,
+    check_memory,
+    integer,
+    integers,
     make_stats,
     pack_prompts,
     stop_array,
@@ -51,7 +54,8 @@ class Session:
     """Speculative decoding of a batch of prompts, resumable burst by burst.
 
     Args mirror `generate`. `capacity` (cache rows) defaults to what the prompts and
-    `max_new_tokens` need; a prompt that does not fit is refused naming both numbers.
+    `max_new_tokens` need; a prompt that does not fit is refused naming both numbers, and so are
+    caches that do not fit the free memory (before they are allocated).
     `inject` replaces the drafter's proposals (see `speculative.Injected`; tests, benchmarks).
     `verify_t` caps the anchor plus drafts examined per round (keyword > DFLASH_VERIFY_T > nd + 1).
     `verify_buckets` are static block widths a round may verify instead of the full block
@@ -61,31 +65,36 @@ class Session:
     """
 
     def __init__(self, target: Target, drafter: Drafter, prompts, *, max_new_tokens: int, stop_tokens=(),
-                 sampling: smp.Sampling | Sequence[smp.Sampling] = smp.Sampling(), capacity: Optional[int] = None,
-                 impl: Optional[str] = None, inject: Optional[spec.Injected] = None, verify_t: Optional[int] = None,
-                 verify_buckets=None):
+                 sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
+                 capacity: Optional[int] = None, impl: Optional[str] = None, inject: Optional[spec.Injected] = None,
+                 verify_t: Optional[int] = None, verify_buckets=None, lengths=None):
         check_fits_target(drafter.config, target.config)
         impl = policy.attention_impl(impl)
-        smp.check_speculative(sampling)
-        p = pack_prompts(prompts, target.config.vocab_size)
+        p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
+        rows = smp.per_row(sampling, p.batch)
+        smp.check_speculative(rows)
         nd = drafter.n_drafts
         cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, nd + 1, capacity)
-        rows = sampling if isinstance(sampling, Sequence) else [sampling]
         all_greedy = all(s.greedy for s in rows)
         if len({r.proposal for r in rows}) > 1:
             raise ValueError(f"Sampling.proposal must be the same for every row of a batch; got "
                              f"{sorted({r.proposal for r in rows})}")
         if inject is not None and not all_greedy:
             raise ValueError("injected proposals copy the greedy continuation: use temperature 0 with inject=")
+        if verify_t is not None:
+            verify_t = integer("verify_t", verify_t, 2, f"an integer in 2..{nd + 1} (n_drafts + 1) or None")
+        if verify_buckets is not None and not isinstance(verify_buckets, str):
+            verify_buckets = integers("verify_buckets", verify_buckets, 2, nd + 1, "width", f"2..{nd}").tolist()
         self.loop = spec.Loop(int(max_new_tokens), p.chunk, all_greedy, rows[0].proposal, impl,
                               policy.verify_cap(verify_t, nd),
                               policy.verify_buckets(verify_buckets, nd, p.batch, drafter.varies_width))
         self.target, self.drafter = target, drafter
         self.stop_tokens = stop_array(stop_tokens, target.config.vocab_size)
+        check_memory(target, drafter, p.batch, cap)
         t0 = time.perf_counter()
         self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                                 target.init_state(p.batch, cap), drafter.init_state(p.batch, cap),
-                                smp.row_params(sampling, p.batch), self.stop_tokens, inject)
+                                smp.row_params(rows, p.batch), self.stop_tokens, inject)
         self._lengths = p.lengths
         self._lock = threading.Lock()
         self._fetch()
