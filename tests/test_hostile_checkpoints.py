@@ -161,8 +161,9 @@ def test_a_drafter_in_the_hugging_face_cache_layout_loads(tmp_path, pair):
 # --- item 2: NaN and Inf weights -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_a_target_tensor_holding_nan_or_inf_is_refused_naming_file_tensor_and_count(target_dir, bad):
+def test_a_target_tensor_holding_nan_or_inf_is_refused_naming_file_tensor_and_count(target_dir, bad, dtype):
     name = "model.layers.1.mlp.down_proj.weight"
 
     def poison(t):
@@ -170,9 +171,9 @@ def test_a_target_tensor_holding_nan_or_inf_is_refused_naming_file_tensor_and_co
 
     edit_tensors(target_dir, poison)
     with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor {name} has 3 non-finite value\(s\)") as e:
-        load_target(target_dir)
+        load_target(target_dir, dtype)
     assert "check_finite=False" in str(e.value), "the refusal says how to load anyway"
-    loaded = load_target(target_dir, check_finite=False)
+    loaded = load_target(target_dir, dtype, check_finite=False)
     down = np.asarray(loaded.params["layers_1"]["w_down"])
     assert np.count_nonzero(~np.isfinite(down)) == 3, "switched off, the weights load as stored"
 

