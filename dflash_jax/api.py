@@ -20,16 +20,22 @@ from dflash_jax.io import checkpoints
 from dflash_jax.targets.base import Target
 
 
-def load_target(path, dtype=None) -> Target:
-    """A Hugging Face Qwen3/Llama directory as a `Target`; `dtype=None` keeps the checkpoint's."""
-    return checkpoints.read_target(path, dtype)
+def load_target(path, dtype=None, *, check_finite: bool = True) -> Target:
+    """A Hugging Face Qwen3/Llama directory as a `Target`; `dtype=None` keeps the checkpoint's.
+
+    `check_finite=False` skips refusing weights that hold NaN or Inf (one pass over each tensor)."""
+    return checkpoints.read_target(path, dtype, check_finite)
 
 
-def load_drafter(path, target: Target | None = None, dtype=None, **overrides) -> Drafter:
+def load_drafter(path, target: Target | None = None, dtype=None, *, check_finite: bool = True,
+                 **overrides) -> Drafter:
     """A drafter directory (z-lab `DFlashDraftModel`) as a `Drafter`, checked against `target` when given.
 
-    `overrides` set census fields by name (e.g. `block_size=8`, `harvest="dflash"`)."""
-    return checkpoints.read_drafter(path, target.config if target is not None else None, dtype, **overrides)
+    With a target the drafter computes in the target's dtype: `dtype=None` casts it, another dtype is
+    refused naming both. `check_finite` as for `load_target`. `overrides` set census fields by name
+    (e.g. `block_size=8`, `harvest="dflash"`)."""
+    return checkpoints.read_drafter(path, target.config if target is not None else None, dtype,
+                                    check_finite=check_finite, **overrides)
 
 
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),

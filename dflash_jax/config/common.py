@@ -5,6 +5,7 @@ frozen and hashable so they can be static arguments of jitted functions.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import numpy as np
@@ -40,11 +41,18 @@ def dtype_name(dtype) -> str:
     else:
         try:
             name = np.dtype(dtype).name
-        except TypeError:
+        except (TypeError, ValueError):
             name = repr(dtype)
     if name not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported; choices: {', '.join(DTYPES)}")
     return name
+
+
+def stored_dtype(d: Mapping) -> str:
+    """The dtype a config records (`dtype`, or transformers 4's `torch_dtype`; float32 when neither).
+    float64 is computed in float32: the tensors are cast on loading, with a warning."""
+    dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+    return "float32" if dtype == "float64" else dtype_name(dtype)
 
 
 def require(d: Mapping, key: str, what: str):
@@ -59,6 +67,50 @@ def positive_int(value, name: str) -> int:
     return value
 
 
+def finite_number(value, name: str) -> float:
+    """`value` as a float; refused unless a JSON number that is finite (JSON readers accept NaN and Infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CheckpointError(f"{name} {value!r}: expected a finite number")
+    return float(value)
+
+
+def positive_number(value, name: str) -> float:
+    if finite_number(value, name) <= 0:
+        raise CheckpointError(f"{name} {value!r}: expected a finite number > 0")
+    return float(value)
+
+
+def boolean(value, name: str, default: bool = False) -> bool:
+    """A true/false value; null is `default`, and a string such as "false" is refused, not read as true."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{name} {value!r}: expected true or false")
+    return value
+
+
+def flag(d: Mapping, key: str, default: bool = False) -> bool:
+    """The true/false field `key` of `d` (see `boolean`)."""
+    return boolean(d.get(key), key, default)
+
+
+def token_ids(value, name: str) -> tuple:
+    """A token id or a list of them (as `eos_token_id` holds), each an integer >= 0; null is none."""
+    ids = () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise CheckpointError(f"{name} {value!r}: expected a token id >= 0 or a list of them")
+    return ids
+
+
+def string_list(value, name: str) -> list:
+    """A list of strings (as `architectures` and `layer_types` hold); null is empty."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise CheckpointError(f"{name} {value!r}: expected a list of strings")
+    return list(value)
+
+
 def head_dim(d: Mapping, hidden: int, heads: int) -> int:
     """`head_dim` when given; otherwise hidden_size // num_attention_heads (transformers' rule)."""
     if d.get("head_dim") is not None:
@@ -71,7 +123,8 @@ def head_dim(d: Mapping, hidden: int, heads: int) -> int:
 
 
 def kv_heads(d: Mapping, heads: int) -> int:
-    kv = positive_int(d.get("num_key_value_heads") or heads, "num_key_value_heads")
+    given = d.get("num_key_value_heads")
+    kv = positive_int(heads if given is None else given, "num_key_value_heads")
     if heads % kv:
         raise CheckpointError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} (GQA groups)"

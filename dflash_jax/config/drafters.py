@@ -15,10 +15,15 @@ from dflash_jax.config import policy
 from dflash_jax.config.common import (
     AttentionWidths,
     CheckpointError,
+    boolean,
+    finite_number,
+    flag,
     head_dim,
     kv_heads,
     positive_int,
+    positive_number,
     require,
+    string_list,
 )
 from dflash_jax.config.rope import RopeConfig, rope_from_hf, rope_to_hf
 from dflash_jax.config.targets import TargetConfig
@@ -128,7 +133,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 def _dspark_trained(d: Mapping, nested: Mapping) -> tuple:
     """(is DSpark-trained, evidence): `architectures` contains DSpark or `projector_type` is 'dspark' (§5)."""
-    archs = list(d.get("architectures") or [])
+    archs = string_list(d.get("architectures"), "architectures")
     projector = nested.get("projector_type", d.get("projector_type"))
     trained = any("DSpark" in a for a in archs) or projector == "dspark"
     return trained, f"architectures {archs}, projector_type {projector!r}"
@@ -136,7 +141,7 @@ def _dspark_trained(d: Mapping, nested: Mapping) -> tuple:
 
 def _drafter_family(d: Mapping, nested: Mapping, names) -> tuple:
     """(family, reason): DFlash2 by architecture; DSpark by architecture, projector or heads."""
-    archs = list(d.get("architectures") or [])
+    archs = string_list(d.get("architectures"), "architectures")
     spark_trained, evidence = _dspark_trained(d, nested)
     if names is None:
         seen = "tensors not inspected"
@@ -163,7 +168,7 @@ def _census_harvest(d: Mapping, nested: Mapping, family: str) -> tuple:
 
 def _layer_layout(pick, num_layers: int, family: str) -> tuple:
     """(layer_window, causal, reason) from layer_types, sliding_window and is_causal (§4)."""
-    types = list(pick("layer_types") or ["full_attention"] * num_layers)
+    types = string_list(pick("layer_types"), "layer_types") or ["full_attention"] * num_layers
     if len(types) != num_layers:
         raise CheckpointError(f"layer_types has {len(types)} entries for num_hidden_layers {num_layers}")
     bad = [t for t in types if t not in LAYER_TYPES]
@@ -241,8 +246,10 @@ def _family_sizes(pick, family: str, hidden: int, shapes) -> tuple:
             raise CheckpointError(
                 f"confidence_head.proj.weight in_dim {conf_in} matches neither hidden {hidden} nor hidden+markov_rank"
             )
-    elif pick("enable_confidence_head") or any(n in names for n in CONFIDENCE_TENSORS):
-        with_markov = pick("confidence_head_with_markov") and "markov_rank" in sizes
+    elif boolean(pick("enable_confidence_head"), "enable_confidence_head") or any(
+            n in names for n in CONFIDENCE_TENSORS):
+        with_markov = boolean(pick("confidence_head_with_markov"), "confidence_head_with_markov") and \
+            "markov_rank" in sizes
         conf_in = hidden + sizes["markov_rank"] if with_markov else hidden
     if conf_in is not None:
         sizes["confidence_in_dim"] = conf_in
@@ -425,8 +432,11 @@ def drafter_census(
         )
     dspark, dspark_reasons = _dspark_settings(family, sizes, {k: overrides.pop(k) for k in DSPARK_SETTINGS
                                                                if k in overrides}, env)
-    vocab = d.get("vocab_size") if d.get("vocab_size") is not None else target and target.vocab_size
+    vocab = positive_int(d["vocab_size"], "vocab_size") if d.get("vocab_size") is not None else \
+        target and target.vocab_size
     softcap = pick("final_logit_softcapping")
+    scale, multiplier = (1.0 if pick(k) is None else finite_number(pick(k), k)
+                         for k in ("input_embedding_scale", "output_multiplier"))
     fields = dict(
         family=family,
         hidden_size=hidden,
@@ -435,7 +445,7 @@ def drafter_census(
         num_heads=heads,
         num_kv_heads=kv_heads(d, heads),
         head_dim=head_dim(d, hidden, heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=positive_number(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         rope=rope_from_hf(d),
         block_size=pick("block_size"),
         mask_token_id=pick("mask_token_id"),
@@ -443,11 +453,11 @@ def drafter_census(
         layer_window=layer_window,
         causal=causal,
         harvest=harvest,
-        input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
-        output_multiplier=float(pick("output_multiplier", 1.0)),
-        final_logit_softcapping=None if softcap is None else float(softcap),
+        input_embedding_scale=scale,
+        output_multiplier=multiplier,
+        final_logit_softcapping=None if softcap is None else positive_number(softcap, "final_logit_softcapping"),
         vocab_size=vocab or None,
-        attention_bias=bool(d.get("attention_bias", False)),
+        attention_bias=flag(d, "attention_bias"),
         num_target_layers=num_target_layers,
         **sizes,
         **dspark,

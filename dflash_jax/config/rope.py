@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from dflash_jax.config.common import CheckpointError
+from dflash_jax.config.common import CheckpointError, boolean, finite_number, positive_int, positive_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,19 @@ _ROPE_REQUIRED = {
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' default for Llama and Qwen3
 
 
+def _check_param(name: str, value) -> None:
+    """Refuse a scaling parameter not of its kind: a positive integer, a flag, a finite number (the
+    mscales), or else a finite number > 0 (the factors and betas divide or take logarithms)."""
+    if name == "original_max_position_embeddings":
+        positive_int(value, name)
+    elif name == "truncate":
+        boolean(value, name)
+    elif name in ("mscale", "mscale_all_dim"):
+        finite_number(value, name)
+    else:
+        positive_number(value, name)
+
+
 def rope_from_hf(d: Mapping) -> RopeConfig:
     """Rope from either transformers form: 4 (`rope_theta` + `rope_scaling`) or 5 (`rope_parameters`).
 
@@ -62,7 +75,10 @@ def rope_from_hf(d: Mapping) -> RopeConfig:
         scaling = dict(rp)
         theta = rp.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA))
     else:
-        scaling = dict(d.get("rope_scaling") or {})
+        scaling = d.get("rope_scaling") or {}
+        if not isinstance(scaling, Mapping):
+            raise CheckpointError(f"rope_scaling {scaling!r}: expected an object of scaling parameters or null")
+        scaling = dict(scaling)
         theta = d.get("rope_theta", _DEFAULT_ROPE_THETA)
     rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
     if rope_type not in ROPE_TYPES:
@@ -72,11 +88,14 @@ def rope_from_hf(d: Mapping) -> RopeConfig:
     partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"partial_rotary_factor {partial!r}: only full rotary (1.0) is supported")
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise CheckpointError(f"rope_theta {theta!r}: expected a positive number")
+    positive_number(theta, "rope_theta")
     if rope_type in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
         scaling["original_max_position_embeddings"] = d.get("max_position_embeddings")  # as transformers does
+        if scaling["original_max_position_embeddings"] is not None:
+            positive_int(scaling["original_max_position_embeddings"], "max_position_embeddings")
     params = tuple(sorted((k, scaling[k]) for k in ROPE_PARAM_NAMES if scaling.get(k) is not None))
+    for name, value in params:
+        _check_param(name, value)
     missing = [k for k in _ROPE_REQUIRED[rope_type] if k not in dict(params)]
     if missing:
         raise CheckpointError(f"rope type {rope_type!r} needs {', '.join(missing)} in its scaling parameters")

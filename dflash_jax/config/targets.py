@@ -7,11 +7,15 @@ from typing import Mapping
 from dflash_jax.config.common import (
     AttentionWidths,
     CheckpointError,
-    dtype_name,
+    flag,
     head_dim,
     kv_heads,
     positive_int,
+    positive_number,
     require,
+    stored_dtype,
+    string_list,
+    token_ids,
 )
 from dflash_jax.config.rope import RopeConfig, rope_from_hf, rope_to_hf
 
@@ -52,8 +56,10 @@ def _supported_targets() -> str:
 
 
 def _target_arch(d: Mapping) -> str:
-    archs = d.get("architectures") or []
+    archs = string_list(d.get("architectures"), "architectures")
     model_type = d.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"model_type {model_type!r}: expected a string; supported: {_supported_targets()}")
     known = [TARGET_ARCHITECTURES[a] for a in archs if a in TARGET_ARCHITECTURES]
     if archs and not known or not archs and model_type not in _ARCH_OF_MODEL_TYPE:
         raise CheckpointError(
@@ -74,11 +80,11 @@ def target_config_from_hf(d: Mapping) -> TargetConfig:
     arch = _target_arch(d)
     if d.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {d['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
-    if arch == "llama" and d.get("mlp_bias"):
+    if arch == "llama" and flag(d, "mlp_bias"):
         raise CheckpointError("Llama config has mlp_bias: true; only bias-free MLPs (mlp_bias: false) are supported")
     if arch == "qwen3":
-        layer_types = d.get("layer_types") or []
-        if d.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        layer_types = string_list(d.get("layer_types"), "layer_types")
+        if flag(d, "use_sliding_window") or any(t != "full_attention" for t in layer_types):
             raise CheckpointError(
                 "Qwen3 config has use_sliding_window: true (or sliding layer_types); "
                 "only full-attention Qwen3 targets are supported"
@@ -86,9 +92,8 @@ def target_config_from_hf(d: Mapping) -> TargetConfig:
     what = f"{arch} target"
     hidden = positive_int(require(d, "hidden_size", what), "hidden_size")
     heads = positive_int(require(d, "num_attention_heads", what), "num_attention_heads")
-    eos = d.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+    positions = d.get("max_position_embeddings")
+    positions = 4096 if positions is None else positive_int(positions, "max_position_embeddings")
     return TargetConfig(
         arch=arch,
         vocab_size=positive_int(require(d, "vocab_size", what), "vocab_size"),
@@ -98,13 +103,13 @@ def target_config_from_hf(d: Mapping) -> TargetConfig:
         num_heads=heads,
         num_kv_heads=kv_heads(d, heads),
         head_dim=head_dim(d, hidden, heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=positive_number(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         rope=rope_from_hf(d),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=bool(d.get("attention_bias", False)),
-        max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
-        eos_token_ids=tuple(int(t) for t in eos_ids),
-        dtype=dtype_name(dtype),
+        tie_word_embeddings=flag(d, "tie_word_embeddings"),
+        attention_bias=flag(d, "attention_bias"),
+        max_position_embeddings=positions,
+        eos_token_ids=token_ids(d.get("eos_token_id"), "eos_token_id"),
+        dtype=stored_dtype(d),
     )
 
 

@@ -29,7 +29,9 @@ from dflash_jax.drafters import dflash, dflash_names, dspark, dspark_names
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.io import names, publish
 from dflash_jax.io.safetensors import (
+    check_float_tensors,
     load_dtype,
+    naming_config,
     read_config,
     tensor_index,
     tensor_reader,
@@ -68,9 +70,10 @@ class Family:
         self.check(cfg, params)
         return self.cls(cfg, params)
 
-    def read(self, cfg, infos: Mapping, dtype: str):
-        """The interface object over the checkpoint's tensors `infos`, read one at a time in `dtype`."""
-        with tensor_reader(infos, dtype) as get:
+    def read(self, cfg, infos: Mapping, dtype: str, check_finite: bool = True):
+        """The interface object over the checkpoint's tensors `infos`, read one at a time in `dtype`
+        (each refused if it holds NaN or Inf, with `check_finite`)."""
+        with tensor_reader(infos, dtype, check_finite) as get:
             return self.make(cfg, names.load_params(self.name_map(cfg), get))
 
     def write(self, path, model, config: Mapping, dtype: str, shard_bytes: Optional[int]) -> None:
@@ -121,28 +124,35 @@ def target_tensor_shapes(cfg: TargetConfig) -> dict:
 
 
 def inspect_target(path) -> tuple:
-    """(TargetConfig, name -> TensorInfo) after checking every tensor name and shape; reads no weights."""
-    cfg = target_config_from_hf(read_config(path))
+    """(TargetConfig, name -> TensorInfo) after checking the config, every tensor's name and shape, and that
+    the weights are stored as floats; reads no weights."""
+    config = read_config(path)
+    with naming_config(path):
+        cfg = target_config_from_hf(config)
     infos = tensor_index(path)
     found = {n: i.shape for n, i in infos.items() if not is_ignorable_target_tensor(n, cfg)}
-    extra = check_tensor_shapes(target_tensor_shapes(cfg), found, f"{path}")
+    expected = target_tensor_shapes(cfg)
+    extra = check_tensor_shapes(expected, found, f"{path}")
     if extra:
         raise CheckpointError(
             f"{path}: unexpected tensor(s) {extra[:8]}: not part of a {cfg.arch} target with this config"
         )
+    check_float_tensors(infos, expected)
     return cfg, infos
 
 
-def read_target(path, dtype=None) -> Target:
+def read_target(path, dtype=None, check_finite: bool = True) -> Target:
     """A Qwen3ForCausalLM / LlamaForCausalLM directory as a Target.
 
-    dtype None keeps the checkpoint's dtype (its config's, else the embedding's); params are
-    converted tensor by tensor and `config.dtype` records the dtype they hold.
+    dtype None keeps the checkpoint's dtype (its config's, else the embedding's; float64 is read as
+    float32); params are converted tensor by tensor and `config.dtype` records the dtype they hold.
+    `check_finite` refuses a tensor holding NaN or Inf in that dtype.
     """
     cfg, infos = inspect_target(path)
-    dtype = load_dtype(dtype, read_config(path), infos, "model.embed_tokens.weight")
+    with naming_config(path):
+        dtype = load_dtype(dtype, read_config(path), infos, "model.embed_tokens.weight")
     cfg = dataclasses.replace(cfg, dtype=dtype)
-    return target_family(cfg).read(cfg, infos, dtype)
+    return target_family(cfg).read(cfg, infos, dtype, check_finite)
 
 
 def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[int] = None, *,
@@ -191,8 +201,11 @@ def drafter_census(d: Mapping, tensor_shapes: Optional[Mapping] = None, target: 
     (recorded in `warnings`) and refused for DSpark/DFlash2, as in the original.
     """
     cfg = config_drafter_census(d, tensor_shapes, target, env=env, **overrides)
-    if tensor_shapes is None:
-        return cfg
+    return cfg if tensor_shapes is None else _check_drafter_tensors(cfg, tensor_shapes)
+
+
+def _check_drafter_tensors(cfg: DrafterConfig, tensor_shapes: Mapping) -> DrafterConfig:
+    """`cfg`, after checking every tensor against its family (see `drafter_census`)."""
     what = f"{FAMILY_NAMES[cfg.family]} drafter checkpoint"
     found = {n: tuple(int(s) for s in v) for n, v in tensor_shapes.items()}
     extra = check_tensor_shapes(drafter_tensor_shapes(cfg), found, what)
@@ -211,23 +224,42 @@ def unsupported_family_message(cfg: DrafterConfig) -> str:
 
 
 def inspect_drafter(path, target_cfg: Optional[TargetConfig] = None, env=None, **overrides) -> tuple:
-    """(DrafterConfig, name -> TensorInfo): the census with the checkpoint's tensor shapes; reads no weights."""
+    """(DrafterConfig, name -> TensorInfo): the census with the checkpoint's tensor shapes, and the weights
+    checked to be stored as floats; reads no weights."""
+    config = read_config(path)
     infos = tensor_index(path)
     shapes = {n: i.shape for n, i in infos.items()}
-    return drafter_census(read_config(path), shapes, target_cfg, env=env, **overrides), infos
+    with naming_config(path):
+        cfg = config_drafter_census(config, shapes, target_cfg, env=env, **overrides)
+    cfg = _check_drafter_tensors(cfg, shapes)
+    check_float_tensors(infos, drafter_tensor_shapes(cfg))
+    return cfg, infos
 
 
-def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, env=None, **overrides) -> Drafter:
+def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, env=None, check_finite: bool = True,
+                 **overrides) -> Drafter:
     """A drafter directory as a Drafter of its family, checked against `target_cfg` when given.
 
-    Families the census recognises but we cannot run (DSpark, DFlash2) are refused; unknown
-    tensors of a DFlash checkpoint are ignored with a warning (also in `config.warnings`).
+    Families the census recognises but we cannot run (DFlash2) are refused; unknown tensors of a
+    DFlash checkpoint are ignored with a warning (also in `config.warnings`). With a target, the
+    drafter is computed in the target's dtype (it reads the target's hidden states and embeddings):
+    `dtype=None` casts it to `target_cfg.dtype`, and another explicit dtype is refused naming both.
+    Without one, `dtype=None` keeps the checkpoint's. `check_finite` refuses a tensor holding NaN or Inf.
     """
     cfg, infos = inspect_drafter(path, target_cfg, env=env, **overrides)
     family = drafter_family(cfg)
     for message in cfg.warnings:
         warnings.warn(f"{path}: {message}", stacklevel=2)
-    return family.read(cfg, infos, load_dtype(dtype, read_config(path), infos, "fc.weight"))
+    if target_cfg is not None:
+        if dtype is not None and dtype_name(dtype) != target_cfg.dtype:
+            raise CheckpointError(
+                f"{path}: drafter dtype {dtype_name(dtype)} differs from the target's {target_cfg.dtype}; the "
+                "drafter computes on the target's hidden states, so both share one dtype. Choices: dtype=None "
+                f"(the target's, {target_cfg.dtype}), or load the target in {dtype_name(dtype)}")
+        dtype = target_cfg.dtype
+    with naming_config(path):
+        dtype = load_dtype(dtype, read_config(path), infos, "fc.weight")
+    return family.read(cfg, infos, dtype, check_finite)
 
 
 TRAINED_FOR_FIELDS = ("name", "architecture", "hidden_size", "num_hidden_layers", "vocab_size")
