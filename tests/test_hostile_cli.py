@@ -284,7 +284,7 @@ def test_block_size_below_two_is_refused_not_ignored(size, capsys):
     rc = cli.main(["generate", "--prompt", "x", "--block-size", size, "--max-new-tokens", "2"])
     out, err = capsys.readouterr()
     assert rc == 1 and out == "" and err == f"refused: block_size {size}: expected an integer >= 2 " \
-                                            "(anchor + at least one draft)\n", err
+                                            "(anchor + at least one draft) (keyword override block_size)\n", err
 
 
 def test_an_out_of_vocabulary_stop_token_is_refused_naming_the_config(tmp_path, capsys):

@@ -15,6 +15,10 @@ class CheckpointError(ValueError):
     """A checkpoint we cannot run: the message names the problem and the valid choices."""
 
 
+class OverrideError(CheckpointError):
+    """A refused keyword override of a checkpoint field: about the caller's value, not the file's."""
+
+
 
 class AttentionWidths:
     """Projection widths of a config with `num_heads`, `num_kv_heads` and `head_dim`."""

@@ -15,6 +15,7 @@ from dflash_jax.config import policy
 from dflash_jax.config.common import (
     AttentionWidths,
     CheckpointError,
+    OverrideError,
     boolean,
     finite_number,
     flag,
@@ -464,7 +465,13 @@ def drafter_census(
     )
     fields.update(overrides)
     cfg = DrafterConfig(**fields)
-    _validate_drafter(cfg)
+    try:
+        _validate_drafter(cfg)
+    except CheckpointError as e:
+        overridden = [k for k in overrides if str(e).startswith(f"{k} ")]
+        if overridden:
+            raise OverrideError(f"{e} (keyword override {overridden[0]})") from None
+        raise
     harvest_why = (f"harvest {harvest}: {harvest_reason}" if source == "census" else
                    f"harvest {harvest} from {source} (census default {harvest_default}: {harvest_reason})")
     reasons = [family_reason, harvest_why, ids_reason, causal_reason,

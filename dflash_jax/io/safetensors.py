@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dflash_jax.config import CheckpointError, dtype_name
-from dflash_jax.config.common import stored_dtype
+from dflash_jax.config.common import OverrideError, stored_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,9 +66,12 @@ def read_config(path) -> dict:
 
 @contextlib.contextmanager
 def naming_config(path):
-    """Census refusals raised inside, with `path`'s config.json named: the file whose fields they are about."""
+    """Census refusals raised inside, with `path`'s config.json named: the file whose fields they are about
+    (a refused keyword override is the caller's, and passes unchanged)."""
     try:
         yield
+    except OverrideError:
+        raise
     except CheckpointError as e:
         raise CheckpointError(f"{e} (in {config_file(path)})") from e
 
