@@ -289,7 +289,7 @@ def open_output(first: jax.Array, max_new_tokens: int, room: int, stop_tokens: j
 
 def finite_rows(logits: jax.Array) -> jax.Array:
     """bool[...]: the logits `[..., V]` of a row are all finite. One reduction over logits the loop
-    already holds, so XLA fuses it with the argmax or softmax that reads them."""
+    already holds, read beside the argmax or softmax that uses them; its result stays on the device."""
     return jnp.isfinite(logits).all(axis=-1)
 
 
