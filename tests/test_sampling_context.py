@@ -5,8 +5,8 @@ The short end-to-end tests (test_sampling_e2e.py) see at most two rounds, so a b
 context holds committed (or wrongly kept) drafts passes them. Here B rows (ragged prompts of 16 to 32 tokens)
 generate L = 48 tokens each. The reference shares no code with the loop or with `dflash_jax.sampling`: the
 teacher-forced conditionals come from the target's uncached forward (`full_logits`: no cache, no verify block,
-no rollback) over prompt + generated tokens, filtered by the float64 numpy filters below (temperature, top-k,
-top-p, min-p, in that order). Two checks:
+no rollback) over prompt + generated tokens, filtered in float64 numpy (`conftest.reference_filter`:
+temperature, top-k, top-p, min-p, in that order). Two checks:
 
 1. Support: no token lies outside the reference's filtered support (with 1e-4 of slack at every cut, so float32
    against float64 rounding at a cut can never fail it). A context off by one position, or a nucleus taken before
@@ -32,7 +32,7 @@ import dflash_jax
 from dflash_jax.drafters.dflash import DFlashDrafter
 from dflash_jax.sampling import PROPOSALS, Sampling
 from dflash_jax.targets.dense import DenseTarget
-from conftest import tiny_drafter, tiny_target
+from conftest import reference_filter, tiny_drafter, tiny_target
 
 V, H, LAYERS = 16, 32, 2
 B, L = 384, 48
@@ -68,26 +68,6 @@ def pair() -> tuple:
     return target, DFlashDrafter(d.config, dict(d.params, **layers))
 
 
-def filtered(logits: np.ndarray, s: Sampling, slack: float = 0.0) -> np.ndarray:
-    """The filtered next-token distribution, float64 [..., V]: temperature, then top-k (ties at the k-th value
-    kept), top-p (a token stays while the mass strictly more likely than it is < top_p), min-p (p >= min_p * max),
-    each renormalised. `slack` widens every cut, for the support check."""
-    z = np.asarray(logits, np.float64) / s.temperature
-    if 0 < s.top_k < z.shape[-1]:
-        kth = np.sort(z, axis=-1)[..., -s.top_k, None]
-        z = np.where(z >= kth - slack, z, -np.inf)
-    p = np.exp(z - z.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    if s.top_p < 1:
-        before = np.einsum("...j,...ij->...i", p, (p[..., None, :] > p[..., :, None]).astype(np.float64))
-        p = np.where(before < s.top_p + slack, p, 0.0)
-        p /= p.sum(axis=-1, keepdims=True)
-    if s.min_p > 0:
-        p = np.where(p >= s.min_p * p.max(axis=-1, keepdims=True) - slack, p, 0.0)
-        p /= p.sum(axis=-1, keepdims=True)
-    return p
-
-
 def prompts() -> list:
     rng = np.random.default_rng(0)
     return [rng.integers(0, V, rng.integers(*PROMPT_LENGTHS)).tolist() for _ in range(B)]
@@ -108,8 +88,8 @@ def draws(proposal: str) -> dict:
         seqs[i, :len(prompt) + L] = prompt + row
     logits = np.asarray(target.full_logits(seqs), np.float64)
     steps = np.stack([logits[i, len(prompt) - 1:len(prompt) - 1 + L] for i, prompt in enumerate(ps)])
-    p = np.stack([filtered(steps[i], rows[i]) for i in range(B)])
-    support = np.stack([filtered(steps[i], rows[i], SLACK) > 0 for i in range(B)])
+    p = np.stack([reference_filter(steps[i], rows[i]) for i in range(B)])
+    support = np.stack([reference_filter(steps[i], rows[i], SLACK) > 0 for i in range(B)])
     return dict(tokens=tokens, stats=out.stats, p=p, support=support, rows=rows)
 
 
