@@ -27,10 +27,16 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/dflash_jax_cache}"
 
+# --tiny runs every script once, on the smallest grid that still takes each path (a drafter window in the
+# sweep): that speculative tokens equal plain ones at every acceptance length is tests/test_speculative.py's job
 if [[ -n "$tiny" ]]; then
   plain_args=(--tiny --prompt 32 --new 32 --reps 2)
+  acceptance_args=(--batches 1 --taus 2 6.5)
+  sweep_args=(--prompts 96)
 else
   plain_args=()
+  acceptance_args=()
+  sweep_args=()
 fi
 
 times=()
@@ -55,14 +61,14 @@ trap write_times EXIT
 
 step plain_decode python bench/plain_decode.py ${plain_args[@]+"${plain_args[@]}"} --out "$out"
 step spec_round python bench/spec_round.py $tiny --out "$out"
-step acceptance python bench/acceptance.py $tiny --out "$out"
+step acceptance python bench/acceptance.py $tiny ${acceptance_args[@]+"${acceptance_args[@]}"} --out "$out"
 step gemm_check python bench/gemm_check.py $tiny --out "$out"
 step profile_round python bench/profile_round.py $tiny --out "$out"
 # the largest cell (batch 64 x prompt 8192) needs ~110 GB: let JAX's allocator take 95% of the GPU
 budget=$(( ${BENCH_BUDGET_S:-540} - SECONDS - 20 ))
 step sweep env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}" \
-  python bench/sweep.py $tiny --out "$out" --budget-s $(( budget > 30 ? budget : 30 )) \
-  --compile-threads "${BENCH_COMPILE_THREADS:-3}"
+  python bench/sweep.py $tiny ${sweep_args[@]+"${sweep_args[@]}"} --out "$out" \
+  --budget-s $(( budget > 30 ? budget : 30 )) --compile-threads "${BENCH_COMPILE_THREADS:-3}"
 step plots python bench/plots.py $tiny --out "$out"
 
 step summary python bench/summary.py $tiny --out "$out" --strict

@@ -68,7 +68,7 @@ def sees_block(q_idx, k_idx, width: int, causal: bool, window: int | None):
 
 
 def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, causal: bool = True,
-                    window: int | None = None, impl: str = "xla", interpret: bool = False):
+                    window: int | None = None, impl: str = "xla", interpret: bool | None = None):
     """Attention of W block queries over `[context ; block]` keys. Returns `[B, W, nh, hd]` in q.dtype.
 
     q: [B, W, nh, hd]; k_ctx, v_ctx: [B, S, nkv, hd] (a cache of capacity S); ctx_len: int32[B];
@@ -78,7 +78,9 @@ def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, cau
     None or (ctx_len+i) - j < window). Query i sees block key i' iff (not causal or i' <= i) and
     (window is None or (i - i' < window and (causal or i' - i < window))). Every row sees itself.
     GQA: query head h uses kv head h // (nh // nkv). Softmax in float32; output cast to q.dtype.
-    ctx_len[b] must lie in [0, S]. `interpret` runs the Pallas kernel in interpret mode (CPU tests).
+    ctx_len[b] must lie in [0, S]. `interpret` runs the Pallas kernel in interpret mode; None (the default) does
+    so on every platform but CUDA and ROCm, where the Triton lowering exists, so `impl="pallas"` also runs
+    (slowly) on a CPU.
     """
     ctx_len = jnp.asarray(ctx_len)
     _check_inputs(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, window, impl)
@@ -87,8 +89,14 @@ def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, cau
     if impl == "xla":
         return _xla_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale=float(scale), causal=causal,
                               window=window)
-    return _pallas_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale=float(scale), causal=causal,
-                             window=window, interpret=interpret)
+    kernel = functools.partial(_pallas_attention, scale=float(scale), causal=causal, window=window)
+    if interpret is not None:
+        return kernel(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, interpret=interpret)
+    # chosen where the program is lowered, not where it is traced: a CPU host may lower for CUDA
+    return lax.platform_dependent(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk,
+                                  cuda=functools.partial(kernel, interpret=False),
+                                  rocm=functools.partial(kernel, interpret=False),
+                                  default=functools.partial(kernel, interpret=True))
 
 
 def _check_inputs(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, window, impl) -> None:

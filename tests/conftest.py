@@ -65,6 +65,27 @@ def target():
     return tiny_target()
 
 
+def reference_filter(logits, s, slack: float = 0.0) -> np.ndarray:
+    """The filtered next-token distribution of `Sampling` s over `logits [..., V]`, in float64 numpy (no library
+    code): temperature, then top-k (ties at the k-th value kept), top-p (a token stays while the mass strictly
+    more likely than it is < top_p), min-p (p >= min_p * max), each renormalised. `slack` widens every cut, for
+    support checks that must not trip on float32 rounding at a cut."""
+    z = np.asarray(logits, np.float64) / s.temperature
+    if 0 < s.top_k < z.shape[-1]:
+        kth = np.sort(z, axis=-1)[..., -s.top_k, None]
+        z = np.where(z >= kth - slack, z, -np.inf)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    if s.top_p < 1:
+        before = np.einsum("...j,...ij->...i", p, (p[..., None, :] > p[..., :, None]).astype(np.float64))
+        p = np.where(before < s.top_p + slack, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    if s.min_p > 0:
+        p = np.where(p >= s.min_p * p.max(axis=-1, keepdims=True) - slack, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
 def inject_reference(plain_tokens, max_new: int, nd: int, first_wrong=None):
     """Proposals copied from a plain continuation, for driving the loop to every acceptance length:
     `first_wrong[k]` = P(the first wrong slot is k), k = nd meaning none (default: uniform over 0..nd)."""

@@ -4,6 +4,10 @@ Random drafters accept almost nothing, so the loop is also driven with injected 
 (the plain greedy continuation with a wrong token at a chosen slot), which reach every
 acceptance length 0..nd.
 """
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -25,7 +29,15 @@ def test_greedy_speculative_equals_plain_for_block_sizes(target, plain, block_si
     drafter = tiny_drafter(target, block_size)
     out = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
     assert out.tokens == plain, f"block size {block_size}: speculative output differs from plain greedy"
-    assert out.stats.rounds > 0 and out.stats.acceptance_length >= 1.0
+    st, nd = out.stats, block_size - 1
+    # every token but a row's first (chosen at prefill) is committed by a round; a round commits its m accepted
+    # drafts and the target's token, except a row's last round, cut at max_new_tokens
+    assert st.per_row["committed"] == [MAX_NEW - 1] * len(PROMPTS), st.per_row
+    assert st.acceptance_length == pytest.approx(len(PROMPTS) * (MAX_NEW - 1) / st.rounds, rel=1e-12)
+    assert st.drafted == nd * st.rounds and sum(st.accept_hist) == st.rounds, st
+    assert st.accepted == sum(m * n for m, n in enumerate(st.accept_hist)), st
+    for rounds, accepted, committed in zip(*(st.per_row[k] for k in ("rounds", "accepted", "committed"))):
+        assert 0 <= accepted + rounds - committed <= nd, f"only a row's last round may be cut: {st.per_row}"
 
 
 def test_batch_of_one_equals_plain(target, plain):
@@ -33,9 +45,30 @@ def test_batch_of_one_equals_plain(target, plain):
     assert out.tokens == plain[2:]
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _draft_logits(loop, target, drafter, state):
+    return loop.propose(target, drafter, state).logits
+
+
+def _drafts_with_shifted_context(target, drafter, *below):
+    """The drafter's logits for the first block after PROMPTS, once per `below`: with layer 0's context K/V at
+    positions < below[b] shifted by 5 (row b)."""
+    session = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
+    ds, out = session.state.drafter_state, []
+    for rows in below:
+        hit = jnp.arange(ds.capacity)[None, :, None, None] < jnp.asarray(rows)[:, None, None, None]
+        shifted = ds.replace(k=(jnp.where(hit, ds.k[0] + 5, ds.k[0]), *ds.k[1:]),
+                             v=(jnp.where(hit, ds.v[0] + 5, ds.v[0]), *ds.v[1:]))
+        out.append(np.asarray(_draft_logits(session.loop, target, drafter, session.state.replace(
+            drafter_state=shifted))))
+    return out
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["sliding_causal", "sliding_symmetric"])
 def test_sliding_window_drafter_with_context_longer_than_window(target, plain, causal):
-    """Window 4 < prompt lengths up to 28: the window is applied, not refused."""
+    """Window 4 < prompt lengths up to 28: the window is applied, not refused. Applied means: context the window
+    hides (positions <= seq_len - 4, before every block row's window) does not move the drafts at all, and the same
+    weights without the window do see it."""
     drafter = tiny_drafter(target, 8, windows=(4, None), causal=(causal, False))
     nd = drafter.config.n_drafts
     out = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
@@ -43,6 +76,16 @@ def test_sliding_window_drafter_with_context_longer_than_window(target, plain, c
     injected = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW,
                                   inject=inject_reference(plain, MAX_NEW, nd, [1] * (nd + 1))).run()
     assert injected.tokens == plain
+
+    lengths = np.array([len(p) for p in PROMPTS])
+    hidden = np.maximum(lengths - 4 + 1, 0)  # rows 0 and 2 have hidden context; row 1 (3 tokens) has none
+    clean, shift_hidden, shift_all = _drafts_with_shifted_context(target, drafter, 0 * lengths, hidden, lengths)
+    np.testing.assert_array_equal(shift_hidden, clean, err_msg="context outside the window changed the drafts")
+    assert all(np.abs(shift_all[i] - clean[i]).max() > 1e-3 for i in range(len(PROMPTS))), "the shift is too small"
+    full = tiny_drafter(target, 8, windows=(None, None), causal=(causal, False))
+    clean, shift_hidden = _drafts_with_shifted_context(target, full, 0 * lengths, hidden)
+    moved = np.abs(shift_hidden - clean).max(axis=(1, 2))
+    assert (moved > 1e-3).tolist() == (hidden > 0).tolist(), f"without the window the same shift moves rows {moved}"
 
 
 def test_injected_proposals_reach_every_acceptance_length_and_stay_exact(target, plain):
@@ -176,11 +219,15 @@ def test_chunked_prefill_of_long_ragged_prompts_matches_the_uncached_forward(tar
     rng = np.random.RandomState(3)
     prompts = [rng.randint(0, 64, 700).tolist(), rng.randint(0, 64, 5).tolist()]
     plain = dflash_jax.generate(target, None, prompts, max_new_tokens=4).tokens
-    for prompt, got in zip(prompts, plain):
-        seq = list(prompt)
-        for _ in range(4):
-            seq.append(int(np.asarray(target.full_logits([seq]))[0, -1].argmax()))
-        assert got == seq[len(prompt):], f"prompt of {len(prompt)} tokens: {got} != {seq[len(prompt):]}"
+    # teacher forcing: each token is the argmax of the uncached forward over everything before it, which by
+    # induction is the greedy continuation (one forward, not one compile per length)
+    seqs = np.zeros((2, 704), np.int32)
+    for i, (prompt, got) in enumerate(zip(prompts, plain)):
+        seqs[i, :len(prompt) + 4] = prompt + got
+    choice = np.asarray(target.full_logits(seqs)).argmax(-1)
+    for i, (prompt, got) in enumerate(zip(prompts, plain)):
+        want = choice[i, len(prompt) - 1:len(prompt) + 3].tolist()
+        assert got == want, f"prompt of {len(prompt)} tokens: {got} != the uncached forward's argmax {want}"
     spec_out = dflash_jax.generate(target, tiny_drafter(target, 4), prompts, max_new_tokens=4).tokens
     assert spec_out == plain
 
@@ -197,15 +244,15 @@ def test_plain_greedy_with_penalties_matches_a_reference_loop(target):
     prompt = [5, 6, 7, 5, 6]
     s = dflash_jax.Sampling(repetition_penalty=1.8, frequency_penalty=0.3, presence_penalty=0.2)
     got = dflash_jax.generate(target, None, [prompt], max_new_tokens=8, sampling=s).tokens[0]
-    seq = list(prompt)
-    for _ in range(8):
-        z = np.asarray(target.full_logits([seq]))[0, -1].astype(np.float64)
-        counts = np.bincount(seq, minlength=z.size)
+    seq = prompt + got
+    logits = np.asarray(target.full_logits([seq]), np.float64)[0]  # teacher-forced: one forward for every step
+    for k in range(8):
+        z = logits[len(prompt) - 1 + k].copy()
+        counts = np.bincount(seq[:len(prompt) + k], minlength=z.size)
         seen = counts > 0
         z[seen] = np.where(z[seen] > 0, z[seen] / 1.8, z[seen] * 1.8)
         z -= 0.3 * counts + 0.2 * seen
-        seq.append(int(z.argmax()))
-    assert got == seq[len(prompt):]
+        assert got[k] == int(z.argmax()), f"token {k}: {got[k]} != the penalised argmax {int(z.argmax())}"
     assert got != dflash_jax.generate(target, None, [prompt], max_new_tokens=8).tokens[0], "penalties must matter"
     with pytest.raises(ValueError, match="speculative decoding does not support penalties"):
         dflash_jax.generate(target, tiny_drafter(target, 4), [prompt], max_new_tokens=8, sampling=s)

@@ -1,0 +1,124 @@
+"""Paths no other test takes end to end: `impl="pallas"` through `generate` and `Session` (the kernel in Pallas
+interpret mode on the CPU), and one speculative batch that mixes greedy and sampled rows with ragged prompts,
+stop tokens and a verify cap.
+
+What is exact, and asserted:
+- a greedy row equals plain greedy decoding, beside sampled rows and under a verify cap;
+- stop tokens only end a row: each row is the same run without stop tokens cut after its first stop token
+  (every row draws from its own random stream, so a sampled row too);
+- the pallas kernel computes the attention the XLA path computes, so a pallas run gives the tokens of the XLA
+  run with the same seeds (to float32 rounding, far from any sampling decision here);
+- with verify_t=3 every round examines exactly 2 of the 3 drafts;
+- a sampled row's tokens lie in the target's filtered support given their context (teacher-forced uncached
+  forward, numpy filters).
+A sampled row under a different verify cap is not asserted equal: the cap changes which random numbers a round
+draws, so only its distribution stays the same (test_sampling_context.py checks distributions).
+"""
+import functools
+import types
+
+import numpy as np
+import pytest
+
+import dflash_jax
+from dflash_jax.sampling import Sampling
+from conftest import reference_filter, tiny_drafter
+
+PROMPTS = [[5, 6, 7], list(range(12, 32)), [9, 1, 40, 2, 33, 8, 60], [3] * 11, [50, 51], list(range(1, 15))]
+ROWS = [Sampling(), Sampling(temperature=0.8, top_k=8, seed=1), Sampling(),
+        Sampling(temperature=1.0, top_p=0.9, seed=2), Sampling(), Sampling(temperature=0.7, min_p=0.1, seed=3)]
+GREEDY = [i for i, s in enumerate(ROWS) if s.greedy]
+SAMPLED = [i for i, s in enumerate(ROWS) if not s.greedy]
+MAX_NEW = 20
+VERIFY_T = 3
+SLACK = 1e-4
+UNSEEN = (9, 63)  # stop tokens no row reaches (asserted), so runs with and without real stops share one program
+
+
+@pytest.fixture(scope="module")
+def pair(target):
+    """The shared tiny target and a drafter of block 4 with a sliding-window causal layer (window 4 < most
+    contexts) and a full bidirectional one."""
+    return target, tiny_drafter(target, 4, windows=(4, None), causal=(True, False))
+
+
+@pytest.fixture(scope="module")
+def runs(pair):
+    """Runs of the module's pair, each made once: plain greedy, and the mixed speculative batch, per impl."""
+    target, drafter = pair
+
+    @functools.cache
+    def plain(impl="xla"):
+        return dflash_jax.generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, impl=impl).tokens
+
+    @functools.cache
+    def mixed(stops=UNSEEN, impl="xla"):
+        return dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, sampling=ROWS, stop_tokens=stops,
+                                   verify_t=VERIFY_T, impl=impl)
+
+    return types.SimpleNamespace(target=target, drafter=drafter, plain=plain, mixed=mixed)
+
+
+def cut(row, stops):
+    """`row` up to and including its first stop token."""
+    first = next((k for k, t in enumerate(row) if t in stops), None)
+    return row if first is None else row[:first + 1]
+
+
+@pytest.fixture(scope="module")
+def stops(runs):
+    """One stop token from a sampled row's run without real stops (its 6th token), one from a greedy row's."""
+    return (runs.mixed().tokens[SAMPLED[0]][5], runs.plain()[GREEDY[0]][6])
+
+
+def test_greedy_rows_of_a_mixed_batch_equal_plain_decoding(runs):
+    out = runs.mixed()
+    for i in GREEDY:
+        assert out.tokens[i] == runs.plain()[i], f"greedy row {i} beside sampled rows differs from plain decoding"
+    for i in SAMPLED:
+        assert out.tokens[i] != runs.plain()[i], f"sampled row {i} reproduces the greedy continuation"
+    st = out.stats
+    assert st.drafted == (VERIFY_T - 1) * st.rounds and sum(st.accept_hist[VERIFY_T:]) == 0, (
+        f"verify_t={VERIFY_T} examines {VERIFY_T - 1} drafts a round: {st.drafted} drafted in {st.rounds} rounds, "
+        f"histogram {st.accept_hist}")
+
+
+def test_stop_tokens_cut_each_row_after_its_first_stop_and_change_nothing_before(runs, stops):
+    free = runs.mixed().tokens
+    assert all(len(row) == MAX_NEW for row in free), f"stop tokens {UNSEEN} must not occur: {free}"
+    out = runs.mixed(stops).tokens
+    assert out == [cut(row, stops) for row in free]
+    assert len(out[SAMPLED[0]]) <= 6 and len(out[GREEDY[0]]) <= 7, "both stop tokens must cut their rows"
+    for i, row in enumerate(out):
+        assert all(t not in stops for t in row[:-1]), f"row {i} runs past a stop token"
+        assert len(row) == MAX_NEW or row[-1] in stops, f"row {i} ended early without a stop token"
+
+
+def test_sampled_rows_stay_in_the_targets_filtered_support(runs, stops):
+    out = runs.mixed(stops).tokens
+    for i in SAMPLED:
+        seq = PROMPTS[i] + out[i]
+        logits = np.asarray(runs.target.full_logits([seq]), np.float64)[0, len(PROMPTS[i]) - 1:len(seq) - 1]
+        support = reference_filter(logits, ROWS[i], SLACK) > 0
+        outside = [k for k, t in enumerate(out[i]) if not support[k, t]]
+        assert not outside, f"row {i} ({ROWS[i]}): generated tokens {outside} lie outside the filtered support"
+
+
+def test_pallas_generate_equals_xla(runs, stops):
+    assert runs.plain("pallas") == runs.plain()
+    got, want = runs.mixed(stops, "pallas"), runs.mixed(stops)
+    assert got.tokens == want.tokens
+    assert got.stats.accept_hist == want.stats.accept_hist
+
+
+def test_pallas_session_bursts_equal_generate(runs, stops):
+    """Greedy rows only: a sampled row resumed burst by burst is issue 20, item 9 (its own tests)."""
+    whole = runs.mixed(stops, "pallas").tokens
+    session = dflash_jax.Session(runs.target, runs.drafter, PROMPTS, max_new_tokens=MAX_NEW, sampling=ROWS,
+                                 stop_tokens=stops, verify_t=VERIFY_T, impl="pallas")
+    got = [[] for _ in PROMPTS]
+    while not session.finished:
+        for row, new in zip(got, session.burst(4).tokens):
+            row.extend(new)
+    for i in GREEDY:
+        assert got[i] == whole[i], f"greedy row {i}: pallas bursts differ from one pallas generate call"
