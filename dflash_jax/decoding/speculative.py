@@ -137,7 +137,7 @@ class Loop:
         b, nd = first.shape[0], drafter.n_drafts
         out, n_out, done, max_new = open_output(first, self.max_new_tokens, nd + 1, stop_tokens, finite)
         zeros = jnp.zeros((b,), jnp.int32)
-        nonfinite = zeros - 1 if finite is None else jnp.where(finite, -1, 0)
+        nonfinite = zeros - 1 if finite is None else jnp.where(finite, jnp.int32(-1), jnp.int32(0))
         stats = SpecStats(zeros, zeros, zeros, zeros, jnp.zeros((b, nd + 1), jnp.int32))
         return SpecState(out=out, n_out=n_out, anchor=first, done=done, nonfinite=nonfinite, limit=max_new,
                          max_new=max_new, target_state=tstate, drafter_state=dstate, counter=zeros + 1, rp=rp,
