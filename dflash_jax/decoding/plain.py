@@ -84,7 +84,8 @@ class PlainLoop:
         """The carry after the prompt: `state` holds it, `first` is the token chosen after it
         (from logits that were `finite` per row; None: all were)."""
         out, n_out, done, limit = open_output(first, self.max_new_tokens, 1, stop_tokens, finite)
-        nonfinite = jnp.full(first.shape, -1, jnp.int32) if finite is None else jnp.where(finite, jnp.int32(-1), jnp.int32(0))
+        ok = jnp.ones(first.shape, bool) if finite is None else finite
+        nonfinite = jnp.where(ok, jnp.int32(-1), jnp.int32(0))
         return PlainState(out, n_out, first, done, nonfinite, limit, state, rp, self._count(counts, first, done))
 
     def _pick(self, logits, rp, counts, counter):
