@@ -25,6 +25,7 @@ from dflash_jax.io.checkpoints import drafter_family, make_drafter, make_target,
 from dflash_jax.targets.base import Target  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+TINY_PROBE_GIB = 1 / 64  # bandwidth probe size under --tiny: it tests the script, and 0.25 GiB took ~45 s of CPU
 
 QWEN3_8B = TargetConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope=RopeConfig(1e6),

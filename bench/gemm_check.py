@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = common.TINY if args.tiny else common.QWEN3_8B
-    bandwidth = common.hbm_bandwidth(0.25 if args.tiny else 4.0)
+    bandwidth = common.hbm_bandwidth(common.TINY_PROBE_GIB if args.tiny else 4.0)
     key = jax.random.key(0)
     records = []
     for name, (k, n) in shapes(cfg).items():
