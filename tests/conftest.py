@@ -108,3 +108,19 @@ def inverted_accept_length(p_draft, q_draft, u, n_valid):
 def residual_without_q(p_logprobs, q, draft):
     """A wrong residual for "teeth" tests: draws from p after a rejection, ignoring q."""
     return p_logprobs
+
+
+def biased_target(base: Target, params: dict, bias_dim_size: float, bias_slope: float, context_scale: float) -> Target:
+    """`base`'s family over `params`, with a token bias its drafters share: hidden dim 0 of every
+    embedding is raised by `bias_dim_size`, LM head row 0 gives token t the logit -bias_slope * t
+    along it, and rows 1.. (the context-dependent part of the logits) are scaled by `context_scale`."""
+    bias_row = -bias_slope * np.arange(base.config.vocab_size) / (np.sqrt(base.config.hidden_size)
+                                                                  * params["final_norm"][0])
+    return make_target(base.config, dict(params, embed=params["embed"].at[:, 0].add(bias_dim_size),
+                                         lm_head=(context_scale * params["lm_head"]).at[0].set(bias_row)))
+
+
+def damped_layers(drafter: Drafter, damp: float) -> dict:
+    """The drafter's layer params with their output projections (wo, w_down) scaled by `damp`."""
+    return {name: dict(lp, wo=damp * lp["wo"], w_down=damp * lp["w_down"])
+            for name, lp in drafter.params.items() if name.startswith("layers_")}

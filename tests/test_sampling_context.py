@@ -31,8 +31,7 @@ import pytest
 import dflash_jax
 from dflash_jax.drafters.dflash import DFlashDrafter
 from dflash_jax.sampling import PROPOSALS, Sampling
-from dflash_jax.targets.dense import DenseTarget
-from conftest import reference_filter, tiny_drafter, tiny_target
+from conftest import biased_target, damped_layers, reference_filter, tiny_drafter, tiny_target
 
 V, H, LAYERS = 16, 32, 2
 B, L = 384, 48
@@ -59,13 +58,9 @@ def pair() -> tuple:
     for i in range(LAYERS):
         layer = p[f"layers_{i}"]
         p[f"layers_{i}"] = dict(layer, q_norm=QK_SCALE * layer["q_norm"], k_norm=QK_SCALE * layer["k_norm"])
-    bias_row = -BIAS_SLOPE * np.arange(V) / (np.sqrt(H) * p["final_norm"][0])
-    target = DenseTarget(base.config, dict(p, embed=p["embed"].at[:, 0].add(BIAS_DIM_SIZE),
-                                          lm_head=(CONTEXT_SCALE * p["lm_head"]).at[0].set(bias_row)))
+    target = biased_target(base, p, BIAS_DIM_SIZE, BIAS_SLOPE, CONTEXT_SCALE)
     d = tiny_drafter(target, block_size=4, tap_ids=(0, 1))
-    layers = {name: dict(lp, wo=DRAFTER_DAMP * lp["wo"], w_down=DRAFTER_DAMP * lp["w_down"])
-              for name, lp in d.params.items() if name.startswith("layers_")}
-    return target, DFlashDrafter(d.config, dict(d.params, **layers))
+    return target, DFlashDrafter(d.config, dict(d.params, **damped_layers(d, DRAFTER_DAMP)))
 
 
 def prompts() -> list:

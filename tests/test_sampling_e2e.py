@@ -37,8 +37,7 @@ from dflash_jax.decoding.session import Session
 from dflash_jax.drafters.dflash import DFlashDrafter
 from dflash_jax.io.checkpoints import make_drafter
 from dflash_jax.sampling import Sampling
-from dflash_jax.targets.dense import DenseTarget
-from conftest import inverted_accept_length, residual_without_q, tiny_drafter, tiny_target
+from conftest import biased_target, damped_layers, inverted_accept_length, residual_without_q, tiny_drafter, tiny_target
 
 V = 16
 H = 32
@@ -74,13 +73,9 @@ def pair(family: str = "dflash") -> tuple:
     """(target, drafter) whose logits share a token bias (see the module docstring). The DSpark drafter
     adds a Markov head and a confidence head (per-row confidence widths) to the same backbone."""
     base = tiny_target(0, vocab=V, layers=2, hidden=H)
-    p = base.params
-    bias_row = -BIAS_SLOPE * np.arange(V) / (np.sqrt(H) * p["final_norm"][0])
-    target = DenseTarget(base.config, dict(p, embed=p["embed"].at[:, 0].add(BIAS_DIM_SIZE),
-                                      lm_head=(CONTEXT_SCALE * p["lm_head"]).at[0].set(bias_row)))
+    target = biased_target(base, base.params, BIAS_DIM_SIZE, BIAS_SLOPE, CONTEXT_SCALE)
     d = tiny_drafter(target, block_size=4, tap_ids=(0, 1))
-    layers = {name: dict(lp, wo=DRAFTER_DAMP * lp["wo"], w_down=DRAFTER_DAMP * lp["w_down"])
-              for name, lp in d.params.items() if name.startswith("layers_")}
+    layers = damped_layers(d, DRAFTER_DAMP)
     assert len(layers) == d.config.num_layers
     if family == "dflash":
         return target, DFlashDrafter(d.config, dict(d.params, **layers))
