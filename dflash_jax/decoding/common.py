@@ -168,12 +168,28 @@ def check_capacity(prompts: Prompts, max_new_tokens: int, limit: int, slack: int
     return -(-rows // 128) * 128
 
 
+def _shape_key(model) -> Optional[tuple]:
+    """What a model's state shapes depend on: its family, config and weight dtypes (not the weights)."""
+    if model is None:
+        return None
+    return type(model), model.config, tuple(x.dtype.name for x in jax.tree.leaves(model.params))
+
+
+_STATE_BYTES: dict = {}
+
+
 def cache_bytes(target: Target, drafter: Optional[Drafter], batch: int, capacity: int) -> int:
     """Bytes of the empty decoding states (target, and drafter when given) for `batch` rows of
-    `capacity` positions, from their abstract shapes: nothing is allocated."""
-    shapes = jax.eval_shape(lambda: (target.init_state(batch, capacity),
-                                     None if drafter is None else drafter.init_state(batch, capacity)))
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+    `capacity` positions, from their abstract shapes: nothing is allocated. Memoised by shape key
+    (never holding the models), as tracing `init_state` costs about 2 ms on every `generate` call."""
+    key = (_shape_key(target), _shape_key(drafter), int(batch), int(capacity))
+    if key not in _STATE_BYTES:
+        shapes = jax.eval_shape(lambda: (target.init_state(batch, capacity),
+                                         None if drafter is None else drafter.init_state(batch, capacity)))
+        if len(_STATE_BYTES) >= 256:
+            _STATE_BYTES.clear()
+        _STATE_BYTES[key] = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+    return _STATE_BYTES[key]
 
 
 def free_memory(device=None) -> tuple[Optional[int], str]:
