@@ -76,28 +76,38 @@ class DFlashLayer(nn.Module):
         inv_freq, scale = _rope(c)
         return apply_rope(k, positions, inv_freq, scale), split_heads(v, c.head_dim)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
-        """Block rows `x [B, W, H]`; `attend(q, k, v)` is this layer's attention (block k/v given)."""
+    def attention(self, xn: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+        """The attention sublayer on normed block rows `xn [B, W, H]` (without the residual)."""
         c = self.cfg
-        xn = rms_norm(x, self.attn_norm, c.rms_norm_eps)
         q = rms_norm(split_heads(xn @ self.wq, c.head_dim), self.q_norm, c.rms_norm_eps)
         inv_freq, scale = _rope(c)
         q = apply_rope(q, positions, inv_freq, scale)
         k, v = self.kv(xn, positions)
-        x = x + merge_heads(attend(q, k, v)) @ self.wo
-        return x + swiglu(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.w_gate_up, self.w_down)
+        return merge_heads(attend(q, k, v)) @ self.wo
+
+    def mlp(self, xn: jax.Array) -> jax.Array:
+        """The SwiGLU sublayer on normed rows (without the residual)."""
+        return swiglu(xn, self.w_gate_up, self.w_down)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable, impl: str = "xla") -> jax.Array:
+        """Block rows `x [B, W, H]`; `attend(q, k, v)` is this layer's attention (block k/v given); `impl`
+        picks the kernels of families that have more (DFlash has none)."""
+        c = self.cfg
+        x = x + self.attention(rms_norm(x, self.attn_norm, c.rms_norm_eps), positions, attend)
+        return x + self.mlp(rms_norm(x, self.mlp_norm, c.rms_norm_eps))
 
 
 class DFlashModule(nn.Module):
     """`fc` and `hidden_norm` (context projection), `num_layers` DFlashLayers (`layers_{i}`), `norm`."""
 
     cfg: DrafterConfig
+    layer_cls = DFlashLayer  # a family's layer (a class attribute, not a module field)
 
     def setup(self):
         c = self.cfg
         self.fc = self.param("fc", _normal, (c.n_taps * c.hidden_size, c.hidden_size))
         self.hidden_norm = self.param("hidden_norm", _ones, (c.hidden_size,))
-        self.layers = [DFlashLayer(c) for _ in range(c.num_layers)]
+        self.layers = [self.layer_cls(c) for _ in range(c.num_layers)]
         self.norm = self.param("norm", _ones, (c.hidden_size,))
 
     def context_kv(self, taps: jax.Array, positions: jax.Array) -> list:
@@ -114,9 +124,9 @@ class DFlashModule(nn.Module):
         return cache.replace(k=tuple(write_rows(kc, k, start) for kc, (k, _) in zip(cache.k, kvs)),
                              v=tuple(write_rows(vc, v, start) for vc, (_, v) in zip(cache.v, kvs)))
 
-    def _stack(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+    def _stack(self, x: jax.Array, positions: jax.Array, attend: Callable, impl: str = "xla") -> jax.Array:
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, functools.partial(attend, i))
+            x = layer(x, positions, functools.partial(attend, i), impl)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def draft_hidden(self, cache: KVCache, x: jax.Array, impl: str = "xla") -> jax.Array:
@@ -129,7 +139,7 @@ class DFlashModule(nn.Module):
             return block_attention(q, cache.k[i], cache.v[i], ctx_len, k, v, scale=c.head_dim ** -0.5,
                                    causal=c.causal[i], window=c.layer_window[i], impl=impl)
 
-        return self._stack(x, positions, attend)
+        return self._stack(x, positions, attend, impl)
 
     def train_hidden(self, taps: jax.Array, x: jax.Array, anchors: jax.Array) -> jax.Array:
         """Training forward of many blocks at once: taps `[B,T,n*H]`, block inputs `x [B,A,b,H]`
