@@ -79,6 +79,10 @@ def describe_drafter(cfg: DrafterConfig, config: Optional[Mapping] = None) -> li
         f"mask token: {cfg.mask_token_id}",
         f"extra heads: {', '.join(cfg.heads) or 'none'}",
     ]
+    if cfg.family == "dflash2":
+        groups = cfg.hidden_size // cfg.conv_group_size
+        lines.append(f"selector: top {cfg.selector_top_k} candidates, rank {cfg.selector_rank}; dynamic conv: "
+                     f"kernel {cfg.conv_kernel_size}, group size {cfg.conv_group_size} ({groups} groups)")
     if cfg.verify_policy is not None:
         adapt = f", adapt {'on' if cfg.adapt else 'off'}"
         tau = f" at tau {cfg.verify_tau:g}" if cfg.verify_policy != "ladder" else adapt
@@ -94,7 +98,7 @@ def describe_drafter(cfg: DrafterConfig, config: Optional[Mapping] = None) -> li
 
 
 def cmd_inspect(args) -> int:
-    """Print the census of a target or drafter directory; refused (by `main`) if we cannot run it."""
+    """Print the census of a target or drafter directory."""
     config = read_config(args.dir)
     if not is_drafter_config(config):
         cfg, infos = checkpoints.inspect_target(args.dir)
@@ -104,8 +108,6 @@ def cmd_inspect(args) -> int:
     overrides = {k: v for k, v in (("harvest", args.harvest), ("block_size", args.block_size)) if v is not None}
     cfg, _ = checkpoints.inspect_drafter(args.dir, target, **overrides)
     print("\n".join(describe_drafter(cfg, config)))
-    if cfg.family not in checkpoints.DRAFTER_FAMILIES:
-        raise CheckpointError(checkpoints.unsupported_family_message(cfg))
     return 0
 
 

@@ -334,7 +334,7 @@ def test_dspark_strategy_directory_loads_as_a_dspark_drafter_with_the_shifted_ha
     assert (cfg.verify_policy, cfg.markov) == ("ladder", False), "no heads: the ladder, and no Markov chain"
 
 
-def test_dflash2_drafter_directory_is_refused_as_not_yet_implemented(tmp_path):
+def test_dflash2_drafter_directory_with_hand_written_config_loads_as_its_family(tmp_path):
     config = {"architectures": ["DFlash2DraftModel"], "hidden_size": 32, "intermediate_size": 48,
               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
               "vocab_size": 64, "is_causal": False, "layer_types": ["sliding_attention"], "sliding_window": 8,
@@ -344,10 +344,9 @@ def test_dflash2_drafter_directory_is_refused_as_not_yet_implemented(tmp_path):
     cfg = drafter_census(config, env=NO_ENV)
     save_file({n: np.zeros(shape, np.float32) for n, shape in drafter_tensor_shapes(cfg).items()},
               str(tmp_path / SINGLE_FILE), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"DFlash2 drafter detected \(family dflash2: architectures "
-                                              r"\['DFlash2DraftModel'\].*\): not yet implemented in dflash-jax; "
-                                              r"supported: DFlash \(DFlashDraftModel\), DSpark \(DSparkDraftModel\)"):
-        checkpoints.read_drafter(tmp_path, env=NO_ENV)
+    drafter = checkpoints.read_drafter(tmp_path, env=NO_ENV)
+    assert type(drafter).__name__ == "DFlash2Drafter"
+    assert (drafter.config.family, drafter.config.n_drafts, drafter.config.heads) == ("dflash2", 3, ("conv", "selector"))
 
 
 def test_read_drafter_applies_overrides_and_the_harvest_environment(drafter_dir):

@@ -1,4 +1,5 @@
-"""The drafter forward against an independent step-by-step numpy reference of docs/architecture.md, "DFlash".
+"""The drafter forward against an independent step-by-step numpy reference of docs/architecture.md, "DFlash"
+(and "DFlash2": the dynamic convolutions around each sublayer and the selector walk).
 
 The reference below imports nothing from `dflash_jax.targets` or `dflash_jax.drafters`: RMSNorm, rotate-half RoPE
 (default rope, `inv_freq = theta^(-2i/d)`), GQA attention with an explicit loop over keys
@@ -32,8 +33,7 @@ import pytest
 
 from dflash_jax.api import propose
 from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig
-from dflash_jax.drafters.dflash import DFlashDrafter
-from dflash_jax.io.checkpoints import make_drafter, make_target
+from dflash_jax.io.checkpoints import drafter_family, make_drafter, make_target
 from dflash_jax.targets.dense import DenseTarget
 
 TOL = 1e-5  # relative to the largest |reference| value, float32 library vs float64 reference
@@ -95,6 +95,32 @@ def ref_swiglu(x, w_gate, w_up, w_down):
     return (g / (1.0 + np.exp(-g)) * (x @ w_up)) @ w_down
 
 
+def ref_conv(x, dyn, base, which: int, group_size: int):
+    """The grouped dynamic causal convolution of rows `x [b, H]`, written out row by row: row t is
+    `sum_o (base[which, o] + dyn[t, which, o, group of c]) * x[t - o]` over taps o <= t (DFlash2)."""
+    b, h = x.shape
+    k = base.shape[1]
+    d = dyn.reshape(b, 2, k, h // group_size)
+    group = np.arange(h) // group_size
+    out = np.zeros_like(x)
+    for t in range(b):
+        for o in range(min(k, t + 1)):
+            out[t] += (base[which, o] + d[t, which, o, group]) * x[t - o]
+    return out
+
+
+def ref_walk(pred, succ, logits, hp, anchor: int, top_k: int) -> list:
+    """The DFlash2 selector's greedy walk: slot p ranks its top-K logits by `logit + (pred[prev] * hp[p]) .
+    succ[cand]` and walks on from the winner."""
+    path, prev = [], anchor
+    for p in range(logits.shape[0]):
+        cand = np.argsort(-logits[p], kind="stable")[:top_k]
+        scores = logits[p][cand] + succ[cand] @ (pred[prev] * hp[p])
+        prev = int(cand[np.argmax(scores)])
+        path.append(prev)
+    return path
+
+
 def ref_layer_weights(lp):
     """The fused library layout split back into the separate projections of the checkpoint."""
     kw = lp["wkv"].shape[1] // 2
@@ -113,8 +139,10 @@ def heads(a):
     return a.reshape(a.shape[0], -1, HD)
 
 
-def reference_step(dparams, cfg: DrafterConfig, embed, lm_head, taps, anchor):
-    """One drafting step for one row: taps `[T, n_taps*H]`, anchor token -> (h [b, H], logits [b-1, V])."""
+def reference_step(dparams, cfg: DrafterConfig, embed, lm_head, taps, anchor, conv: bool = True):
+    """One drafting step for one row: taps `[T, n_taps*H]`, anchor token -> (h [b, H], logits [b-1, V]).
+    A DFlash2 config adds the convolutions around each sublayer (unless `conv` is False: a teeth variant)."""
+    conv = conv and cfg.family == "dflash2"
     p = jax.tree_util.tree_map(f64, dparams)
     taps = f64(taps)
     t, b = taps.shape[0], cfg.block_size
@@ -128,13 +156,22 @@ def reference_step(dparams, cfg: DrafterConfig, embed, lm_head, taps, anchor):
         ctx_k = ref_rope(ref_rms(heads(ctx @ w["wk"]), w["k_norm"]), ctx_pos)
         ctx_v = heads(ctx @ w["wv"])
         xn = ref_rms(x, w["attn_norm"])
+        if conv:
+            dyn = xn @ lp["attn_conv_proj"]
+            xn = ref_conv(xn, dyn, lp["attn_conv_base"], 0, cfg.conv_group_size)
         q = ref_rope(ref_rms(heads(xn @ w["wq"]), w["q_norm"]), blk_pos)
         blk_k = ref_rope(ref_rms(heads(xn @ w["wk"]), w["k_norm"]), blk_pos)
         blk_v = heads(xn @ w["wv"])
         attn = ref_attention(q, blk_pos, np.concatenate([ctx_k, blk_k]), np.concatenate([ctx_v, blk_v]),
                              np.concatenate([ctx_pos, blk_pos]), cfg.layer_window[i], cfg.causal[i])
-        x = x + attn.reshape(b, -1) @ w["wo"]
-        x = x + ref_swiglu(ref_rms(x, w["mlp_norm"]), w["gate"], w["up"], w["down"])
+        out = attn.reshape(b, -1) @ w["wo"]
+        x = x + (ref_conv(out, dyn, lp["attn_conv_base"], 1, cfg.conv_group_size) if conv else out)
+        xn = ref_rms(x, w["mlp_norm"])
+        if conv:
+            dyn = xn @ lp["mlp_conv_proj"]
+            xn = ref_conv(xn, dyn, lp["mlp_conv_base"], 0, cfg.conv_group_size)
+        out = ref_swiglu(xn, w["gate"], w["up"], w["down"])
+        x = x + (ref_conv(out, dyn, lp["mlp_conv_base"], 1, cfg.conv_group_size) if conv else out)
     h = ref_rms(x, p["norm"])
     logits = (h[1:] @ f64(lm_head)) * cfg.output_multiplier
     if cfg.final_logit_softcapping:
@@ -146,9 +183,9 @@ def reference_step(dparams, cfg: DrafterConfig, embed, lm_head, taps, anchor):
 # ---------------------------------------------------------------------------------------
 # Random weights and configs.
 
-def drafter_config(windows, causal, block_size, n_taps=2, **kw) -> DrafterConfig:
+def drafter_config(windows, causal, block_size, n_taps=2, family="dflash", **kw) -> DrafterConfig:
     return DrafterConfig(
-        family="dflash", hidden_size=H, intermediate_size=F, num_layers=len(windows), num_heads=NH,
+        family=family, hidden_size=H, intermediate_size=F, num_layers=len(windows), num_heads=NH,
         num_kv_heads=NKV, head_dim=HD, rms_norm_eps=EPS, rope=RopeConfig(THETA), block_size=block_size,
         mask_token_id=MASK_ID, target_layer_ids=tuple(range(n_taps)), layer_window=tuple(windows),
         causal=tuple(causal), vocab_size=V, **kw)
@@ -175,8 +212,24 @@ def random_drafter(rng, cfg: DrafterConfig) -> dict:
                 "mlp_norm": norm_weight(rng, H), "w_gate_up": normal(rng, (H, 2 * F), H ** -0.5),
                 "w_down": normal(rng, (F, H), F ** -0.5)}
 
-    return {"fc": normal(rng, (cfg.n_taps * H, H), (cfg.n_taps * H) ** -0.5), "hidden_norm": norm_weight(rng, H),
-            "norm": norm_weight(rng, H), **{f"layers_{i}": layer() for i in range(cfg.num_layers)}}
+    def conv(layer_params):
+        width = 2 * cfg.conv_kernel_size * (H // cfg.conv_group_size)
+        for name in ("attn_conv", "mlp_conv"):
+            base = np.zeros((2, cfg.conv_kernel_size, H))
+            base[:, 0] = 1.0
+            layer_params[f"{name}_base"] = jnp.asarray(base + 0.3 * rng.standard_normal(base.shape), jnp.float32)
+            layer_params[f"{name}_proj"] = normal(rng, (H, width), 0.5 * H ** -0.5)
+        return layer_params
+
+    d2 = cfg.family == "dflash2"
+    params = {"fc": normal(rng, (cfg.n_taps * H, H), (cfg.n_taps * H) ** -0.5), "hidden_norm": norm_weight(rng, H),
+              "norm": norm_weight(rng, H), **{f"layers_{i}": conv(layer()) if d2 else layer()
+                                              for i in range(cfg.num_layers)}}
+    if d2:
+        r = cfg.selector_rank
+        params.update(selector_pred=normal(rng, (V, r)), selector_succ=normal(rng, (V, r)),
+                      selector_hidden=normal(rng, (H, r), H ** -0.5))
+    return params
 
 
 def random_target(rng, num_layers: int) -> dict:
@@ -209,7 +262,7 @@ def head_target(tparams: dict) -> DenseTarget:
 def library_step(dparams, cfg, tparams, taps, ctx_lens, anchors):
     """ingest (all rows at start 0) -> commit seq_len per row -> block_input -> draft_hidden -> harvest_logits."""
     bsz, t, _ = taps.shape
-    drafter, target = DFlashDrafter(cfg, dparams), head_target(tparams)
+    drafter, target = drafter_family(cfg).cls(cfg, dparams), head_target(tparams)
     state = drafter.init_state(bsz, t + cfg.block_size + 4)
     state, pending = drafter.ingest(state, taps, jnp.zeros((bsz,), jnp.int32))
     state = drafter.commit(state, pending, ctx_lens)
@@ -220,7 +273,7 @@ def library_step(dparams, cfg, tparams, taps, ctx_lens, anchors):
 @functools.partial(jax.jit, static_argnums=1)
 def library_train(dparams, cfg, tparams, taps, anchor_tokens, anchors):
     """Block inputs for each anchor `[B, A]`, then `train_hidden`."""
-    drafter, target = DFlashDrafter(cfg, dparams), head_target(tparams)
+    drafter, target = drafter_family(cfg).cls(cfg, dparams), head_target(tparams)
     x = jax.vmap(lambda a: drafter.block_input(target, a), in_axes=1, out_axes=1)(anchor_tokens)
     return drafter.train_hidden(taps, x, anchors)
 
@@ -263,10 +316,11 @@ def check_single_row(cfg, seed, t) -> Case:
     return Case(cfg, dparams, tparams, taps[0], anchor, np.asarray(h[0]), np.asarray(logits[0]))
 
 
-def assert_variant_differs(case: Case, what: str, **changes):
-    """The reference with `changes` to the config must be far from the library: the feature matters."""
+def assert_variant_differs(case: Case, what: str, conv: bool = True, **changes):
+    """The reference with `changes` to the config (or without DFlash2's convolutions) must be far from the
+    library: the feature matters."""
     alt_h, alt_logits = reference_step(case.dparams, dataclasses.replace(case.cfg, **changes),
-                                       case.tparams["embed"], case.tparams["lm_head"], case.taps, case.anchor)
+                                       case.tparams["embed"], case.tparams["lm_head"], case.taps, case.anchor, conv)
     err = max(rel_err(case.h, alt_h), rel_err(case.logits, alt_logits))
     assert err > TEETH, f"{what}: changing {changes} moves the result by only {err:.2e}; the case does not test it"
 
@@ -363,3 +417,57 @@ def test_propose_on_a_real_target_matches_reference_with_target_taps():
         assert_close(prop.logits[row], ref_logits, f"propose row {row} (prompt length {len(prompt)}) logits")
         np.testing.assert_array_equal(prop.tokens[row], np.argmax(ref_logits, -1),
                                       err_msg=f"row {row}: greedy drafts are the argmax of the reference logits")
+
+
+# ---------------------------------------------------------------------------------------
+# DFlash2: the convolutions around each sublayer, and the selector walk.
+
+def dflash2_config(block_size: int = 4, window: int = 4, **kw) -> DrafterConfig:
+    return drafter_config([window, window], [False, False], block_size, family="dflash2", selector_rank=4,
+                          selector_top_k=5, conv_kernel_size=kw.pop("conv_kernel_size", 2), conv_group_size=8, **kw)
+
+
+@pytest.mark.parametrize("kernel", [2, 3])
+def test_dflash2_block_forward_matches_reference(kernel):
+    case = check_single_row(dflash2_config(conv_kernel_size=kernel), seed=8, t=11)
+    assert_variant_differs(case, "the dynamic convolutions", conv=False)
+    assert_variant_differs(case, "the symmetric window over a longer context", layer_window=(None, None))
+
+
+def test_dflash2_training_blocks_convolve_each_block_alone():
+    cfg = dflash2_config(block_size=4, window=4)
+    rng = np.random.default_rng(9)
+    dparams, tparams = random_drafter(rng, cfg), head_only_target(rng)
+    t = 14
+    taps = rng.standard_normal((1, t, cfg.n_taps * H)).astype(np.float32)
+    tokens = rng.integers(0, V - 1, size=(1, t))
+    anchors = np.array([[3, 7, 9]])  # adjacent blocks: a convolution crossing them would read the block before
+    anchor_tokens = jnp.asarray(np.take_along_axis(tokens, anchors, axis=1), jnp.int32)
+    h = np.asarray(library_train(dparams, cfg, tparams, jnp.asarray(taps), anchor_tokens,
+                                 jnp.asarray(anchors, jnp.int32)))
+    for j, a in enumerate(anchors[0]):
+        ref_h, _ = reference_step(dparams, cfg, tparams["embed"], tparams["lm_head"], taps[0, :a], int(tokens[0, a]))
+        assert_close(h[0, j], ref_h, f"DFlash2 training block at anchor {a} hidden states")
+
+
+def test_dflash2_propose_walks_the_selector_over_the_reference_logits():
+    tcfg = target_config(num_layers=3)
+    cfg = dataclasses.replace(dflash2_config(block_size=8, window=8), target_layer_ids=(0, 2))
+    rng = np.random.default_rng(10)
+    target = make_target(tcfg, random_target(rng, tcfg.num_layers))
+    dparams = random_drafter(rng, cfg)
+    dparams.update(selector_pred=3.0 * dparams["selector_pred"], selector_succ=3.0 * dparams["selector_succ"])
+    drafter = make_drafter(cfg, dparams)
+    prompts = [list(rng.integers(0, V - 1, size=9)), list(rng.integers(0, V - 1, size=5))]
+    prop = propose(target, drafter, prompts)
+    p = jax.tree_util.tree_map(f64, dparams)
+    for row, prompt in enumerate(prompts):
+        _, taps = target.forward(jnp.asarray([prompt], jnp.int32), cfg.target_layer_ids)
+        anchor = int(prop.anchor[row])
+        ref_h, ref_logits = reference_step(dparams, cfg, target.params["embed"], target.params["lm_head"],
+                                           np.asarray(taps)[0], anchor)
+        assert_close(prop.logits[row], ref_logits, f"DFlash2 propose row {row} logits")
+        path = ref_walk(p["selector_pred"], p["selector_succ"], ref_logits, ref_h[1:] @ p["selector_hidden"],
+                        anchor, cfg.selector_top_k)
+        np.testing.assert_array_equal(prop.tokens[row], path, err_msg=f"row {row}: drafts are the selector's walk")
+        assert list(np.argmax(ref_logits, -1)) != path, f"row {row}: the selector must change some draft here"

@@ -19,7 +19,10 @@ roughly half of all drafts are accepted with either proposal.
 
 A DSpark drafter on the same backbone (block 4, shifted harvest: 4 drafts) adds a Markov head,
 so its sampled q is the chain's corrected distribution, and a confidence head under the
-`confidence` policy, so rows verify different widths (2 to 5) in the same batch.
+`confidence` policy, so rows verify different widths (2 to 5) in the same batch. A DFlash2 drafter
+on it (block 4, symmetric windows of 4, dynamic convolutions near the identity) proposes by its
+selector walk over the top 4 of 16 tokens: sampled, its q is sparse (the walk's distribution over
+the candidates), and a residual that ignores q fails the same bound.
 """
 import dataclasses
 import functools
@@ -63,6 +66,8 @@ SAMPLINGS = {
 }
 CASES = [(name, proposal, "dflash") for name in SAMPLINGS for proposal in smp.PROPOSALS]
 CASES += [("t1", "argmax", "dspark"), ("t08_topp09", "sample", "dspark")]
+CASES += [("t1", "sample", "dflash2"), ("t08_topp09", "sample", "dflash2"), ("t1_topk8", "argmax", "dflash2")]
+SELECTOR_RANK, SELECTOR_TOP_K, SELECTOR_SCALE = 4, 4, 0.05  # the walk's sparse q over 4 of 16 tokens
 MARKOV_RANK = 4
 MARKOV_SCALE = 0.25  # shifts every slot's q (and about 6% of argmax drafts) yet leaves drafts acceptable
 CONFIDENCE_SCALE, CONFIDENCE_BIAS, TAU = 1.0, 4.2, 0.45  # widths 2..5 across contexts (mostly 4)
@@ -79,10 +84,26 @@ def pair(family: str = "dflash") -> tuple:
     assert len(layers) == d.config.num_layers
     if family == "dflash":
         return target, DFlashDrafter(d.config, dict(d.params, **layers))
+    rng = np.random.default_rng(5)
+    if family == "dflash2":
+        cfg = dataclasses.replace(d.config, family="dflash2", layer_window=(4, 4), causal=(False, False),
+                                  selector_rank=SELECTOR_RANK, selector_top_k=SELECTOR_TOP_K, conv_kernel_size=2,
+                                  conv_group_size=8)
+        width = 2 * 2 * (H // 8)
+        identity = np.zeros((2, 2, H))
+        identity[:, 0] = 1.0  # tap 0 passes rows through
+        for lp in layers.values():
+            for name in ("attn_conv", "mlp_conv"):
+                lp[f"{name}_base"] = jnp.asarray(identity + 0.1 * rng.standard_normal((2, 2, H)), jnp.float32)
+                lp[f"{name}_proj"] = jnp.asarray(0.05 * rng.standard_normal((H, width)), jnp.float32)
+        heads = {"selector_pred": rng.standard_normal((V, SELECTOR_RANK)),
+                 "selector_succ": rng.standard_normal((V, SELECTOR_RANK)),
+                 "selector_hidden": SELECTOR_SCALE * rng.standard_normal((H, SELECTOR_RANK))}
+        return target, make_drafter(cfg, dict(d.params, **layers, **{k: jnp.asarray(v, jnp.float32)
+                                                                       for k, v in heads.items()}))
     cfg = dataclasses.replace(d.config, family="dspark", harvest="dspark", markov_rank=MARKOV_RANK, markov=True,
                               confidence_in_dim=H + MARKOV_RANK, verify_policy="confidence", verify_tau=TAU,
                               adapt=True)
-    rng = np.random.default_rng(5)
     heads = {"markov_w1": MARKOV_SCALE * rng.standard_normal((V, MARKOV_RANK)),
              "markov_w2": MARKOV_SCALE * rng.standard_normal((MARKOV_RANK, V)),
              "confidence_w": CONFIDENCE_SCALE * rng.standard_normal((H + MARKOV_RANK, 1)) * (np.arange(H + MARKOV_RANK)
@@ -230,12 +251,13 @@ def _fresh_run():
     return jax.jit(run, static_argnums=0)
 
 
-@pytest.mark.parametrize("rule, wrong, proposal", [
-    ("accept_length", inverted_accept_length, "argmax"),
-    ("residual_logprobs", residual_without_q, "argmax"),
-    ("residual_logprobs", residual_without_q, "sample"),
+@pytest.mark.parametrize("rule, wrong, proposal, family", [
+    ("accept_length", inverted_accept_length, "argmax", "dflash"),
+    ("residual_logprobs", residual_without_q, "argmax", "dflash"),
+    ("residual_logprobs", residual_without_q, "sample", "dflash"),
+    ("residual_logprobs", residual_without_q, "sample", "dflash2"),
 ])
-def test_teeth_a_wrong_rule_fails_the_check(monkeypatch, rule, wrong, proposal):
+def test_teeth_a_wrong_rule_fails_the_check(monkeypatch, rule, wrong, proposal, family):
     traced = []
 
     def patched(*args):
@@ -244,10 +266,10 @@ def test_teeth_a_wrong_rule_fails_the_check(monkeypatch, rule, wrong, proposal):
 
     monkeypatch.setattr(smp, rule, patched)
     monkeypatch.setattr(spec, "run", _fresh_run())
-    tokens, _ = speculative_batch(dataclasses.replace(SAMPLINGS["t1"], seed=SPEC_SEEDS[0], proposal=proposal))
+    tokens, _ = speculative_batch(dataclasses.replace(SAMPLINGS["t1"], seed=SPEC_SEEDS[0], proposal=proposal), family)
     assert traced, f"the patched {rule} was never traced: the teeth run used the real rule"
     found = distances(tokens, exact_joint(SAMPLINGS["t1"]))
     worst = max(found, key=lambda what: found[what][0] / found[what][1])
     d, bound = found[worst]
-    assert d > 2 * bound, (f"a wrong {rule} ({proposal}) must fail the check clearly; its worst is {worst} at "
+    assert d > 2 * bound, (f"a wrong {rule} ({family}, {proposal}) must fail the check clearly; its worst is {worst} at "
                            f"TV {d:.4f} against the bound {bound:.4f} for {BATCH} draws")

@@ -106,6 +106,8 @@ class DrafterConfig(AttentionWidths):
 
 FAMILY_NAMES = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}
 HARVESTS = ("dflash", "dspark")
+WRITABLE = (("dflash", "dflash"), ("dspark", "dspark"), ("dflash2", "dflash"))
+"""(family, harvest) pairs `drafter_to_hf_config` writes: each family with the harvest it was trained with."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MARKOV_TENSORS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 CONFIDENCE_TENSORS = ("confidence_head.proj.weight", "confidence_head.proj.bias")
@@ -483,21 +485,22 @@ def drafter_census(
 def drafter_to_hf_config(cfg: DrafterConfig) -> dict:
     """A `config.json` that `drafter_census` reads back to `cfg`: z-lab `DFlashDraftModel` for DFlash
     (mask-fill harvest), `DSparkDraftModel` with `projector_type` "dspark" and its heads for DSpark
-    (shifted harvest). Per-layer causality must follow the default rule or be uniform, and all
-    sliding layers must share one window. DSpark's runtime settings (verify policy, Markov switch)
-    are not part of a checkpoint.
+    (shifted harvest), `DFlash2DraftModel` with its selector and convolution sizes in `dflash_config`
+    (and the rope as `rope_parameters`, as the published DFlash2 config has it). Per-layer causality
+    must follow the default rule or be uniform, and all sliding layers must share one window. DSpark's
+    runtime settings (verify policy, Markov switch) are not part of a checkpoint.
     """
-    if (cfg.family, cfg.harvest) not in (("dflash", "dflash"), ("dspark", "dspark")):
+    if (cfg.family, cfg.harvest) not in WRITABLE:
         raise ValueError(
-            f"only DFlash drafters with the mask-fill harvest and DSpark drafters with the shifted harvest can be "
-            f"written; got family {cfg.family!r}, harvest {cfg.harvest!r}"
+            f"only DFlash and DFlash2 drafters with the mask-fill harvest and DSpark drafters with the shifted "
+            f"harvest can be written; got family {cfg.family!r}, harvest {cfg.harvest!r}"
         )
     windows = sorted({w for w in cfg.layer_window if w is not None})
     if len(windows) > 1:
         raise ValueError(f"sliding layers use different windows {windows}; the config format holds one")
     sliding = tuple(w is not None for w in cfg.layer_window)
     out = {
-        "architectures": ["DSparkDraftModel" if cfg.family == "dspark" else "DFlashDraftModel"],
+        "architectures": [f"{FAMILY_NAMES[cfg.family]}DraftModel"],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -508,7 +511,8 @@ def drafter_to_hf_config(cfg: DrafterConfig) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "attention_bias": False,
-        **rope_to_hf(cfg.rope),
+        **(rope_to_hf(cfg.rope) if cfg.family != "dflash2" else
+           {"rope_parameters": {"rope_theta": cfg.rope.theta, "rope_type": cfg.rope.rope_type}}),
         "block_size": cfg.block_size,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "sliding_window": windows[0] if windows else None,
@@ -533,5 +537,7 @@ def drafter_to_hf_config(cfg: DrafterConfig) -> dict:
         nested["enable_confidence_head"] = cfg.confidence_in_dim is not None
         with_markov = cfg.confidence_in_dim is not None and cfg.confidence_in_dim > cfg.hidden_size
         nested["confidence_head_with_markov"] = with_markov
+    if cfg.family == "dflash2":
+        nested.update({key: getattr(cfg, key) for key in _DFLASH2_KEYS})
     out["dflash_config"] = nested
     return out

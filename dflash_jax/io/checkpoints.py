@@ -24,8 +24,7 @@ from dflash_jax.config import (
     target_to_hf_config,
 )
 from dflash_jax.config import drafter_census as config_drafter_census
-from dflash_jax.config.drafters import SELECTOR_TENSORS
-from dflash_jax.drafters import dflash, dflash_names, dspark, dspark_names
+from dflash_jax.drafters import dflash, dflash2, dflash2_names, dflash_names, dspark, dspark_names
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.io import names, publish
 from dflash_jax.io.safetensors import (
@@ -90,8 +89,9 @@ TARGET_FAMILIES = {"qwen3": _DENSE, "llama": _DENSE}
 DRAFTER_FAMILIES = {
     "dflash": Family(dflash.DFlashDrafter, dflash.param_shapes, dflash_names.name_map, dflash.init_params),
     "dspark": Family(dspark.DSparkDrafter, dspark.param_shapes, dspark_names.name_map, dspark.init_params),
+    "dflash2": Family(dflash2.DFlash2Drafter, dflash2.param_shapes, dflash2_names.name_map, dflash2.init_params),
 }
-"""Drafter families that run, by `DrafterConfig.family` (the census also recognises DFlash2)."""
+"""Drafter families, by `DrafterConfig.family`."""
 
 
 def target_family(cfg: TargetConfig) -> Family:
@@ -99,8 +99,6 @@ def target_family(cfg: TargetConfig) -> Family:
 
 
 def drafter_family(cfg: DrafterConfig) -> Family:
-    if cfg.family not in DRAFTER_FAMILIES:
-        raise CheckpointError(unsupported_family_message(cfg))
     return DRAFTER_FAMILIES[cfg.family]
 
 
@@ -171,26 +169,10 @@ def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[i
 # ---------------------------------------------------------------------------------------
 # Drafter.
 
-def _dflash2_tensor_shapes(cfg: DrafterConfig) -> dict:
-    """The DFlash2 tensors beyond the DFlash backbone (recognised by the census; the family's module
-    is not implemented yet, so its names live here rather than beside a module)."""
-    h, vocab, shapes = cfg.hidden_size, cfg.vocab_size, {}
-    k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
-    for i in range(cfg.num_layers):
-        for conv in ("attention_conv", "mlp_conv"):
-            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
-            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
-    shapes.update({SELECTOR_TENSORS[0]: (vocab, cfg.selector_rank), SELECTOR_TENSORS[1]: (vocab, cfg.selector_rank),
-                   SELECTOR_TENSORS[2]: (cfg.selector_rank, h)})
-    return shapes
-
-
 def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
     """Hugging Face tensor name -> shape that a drafter checkpoint of `cfg` must hold (no `model.` prefix),
-    from the family's name map (DFlash2: the DFlash backbone's plus its own tensors)."""
-    if cfg.family in DRAFTER_FAMILIES:
-        return DRAFTER_FAMILIES[cfg.family].hf_shapes(cfg)
-    return {**DRAFTER_FAMILIES["dflash"].hf_shapes(cfg), **_dflash2_tensor_shapes(cfg)}
+    from the family's name map."""
+    return drafter_family(cfg).hf_shapes(cfg)
 
 
 def drafter_census(d: Mapping, tensor_shapes: Optional[Mapping] = None, target: Optional[TargetConfig] = None, *,
@@ -216,13 +198,6 @@ def _check_drafter_tensors(cfg: DrafterConfig, tensor_shapes: Mapping) -> Drafte
     return cfg
 
 
-def unsupported_family_message(cfg: DrafterConfig) -> str:
-    """The refusal for a drafter family the census recognises but dflash-jax cannot run yet."""
-    supported = ", ".join(f"{FAMILY_NAMES[f]} ({FAMILY_NAMES[f]}DraftModel)" for f in DRAFTER_FAMILIES)
-    return (f"{FAMILY_NAMES[cfg.family]} drafter detected ({'; '.join(cfg.reasons)}): not yet implemented "
-            f"in dflash-jax; supported: {supported}")
-
-
 def inspect_drafter(path, target_cfg: Optional[TargetConfig] = None, env=None, **overrides) -> tuple:
     """(DrafterConfig, name -> TensorInfo): the census with the checkpoint's tensor shapes, and the weights
     checked to be stored as floats; reads no weights."""
@@ -240,8 +215,7 @@ def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, en
                  **overrides) -> Drafter:
     """A drafter directory as a Drafter of its family, checked against `target_cfg` when given.
 
-    Families the census recognises but we cannot run (DFlash2) are refused; unknown tensors of a
-    DFlash checkpoint are ignored with a warning (also in `config.warnings`). With a target, the
+    Unknown tensors of a DFlash checkpoint are ignored with a warning (also in `config.warnings`). With a target, the
     drafter is computed in the target's dtype (it reads the target's hidden states and embeddings):
     `dtype=None` casts it to `target_cfg.dtype`, and another explicit dtype is refused naming both.
     Without one, `dtype=None` keeps the checkpoint's. `check_finite` refuses a tensor holding NaN or Inf.
