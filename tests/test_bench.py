@@ -73,3 +73,17 @@ def test_planted_random_target_has_a_wide_argmax_margin_and_agrees_in_bf16():
     spec = dflash_jax.generate(target, drafter, prompts, max_new_tokens=48)
     assert spec.tokens == plain.tokens
     assert len(set(plain.tokens[0])) > 10, "the planted map should walk a long cycle, not repeat one token"
+
+
+def test_dflash2_round_compares_both_families_over_one_target_losslessly(tmp_path):
+    import dflash2_round
+
+    payload = dflash2_round.main(["--tiny", "--out", str(tmp_path), "--reps", "1", "--new", "16", "--calls", "2",
+                                  "--phase-reps", "1"])
+    assert (tmp_path / "dflash2_round_tiny.json").exists()
+    assert set(payload["cells"]) == {"dflash", "dflash2"}
+    (c,) = payload["comparison"]
+    assert c["lossless"], "both drafters' speculative runs must equal plain decoding"
+    assert all(cell["no_recompile"] for cells in payload["cells"].values() for cell in cells)
+    assert c["dflash2_over_dflash"]["draft"] > 0 and set(c["speedup_at_tau"]) == {"dflash", "dflash2"}
+    assert payload["drafter_bytes_dflash2"] > payload["drafter_bytes_dflash"], "DFlash2 adds convolutions and codebooks"
