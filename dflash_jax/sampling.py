@@ -46,9 +46,10 @@ class Sampling:
     seed: seeds the counter-based random stream (see `rng_key`).
     repetition_penalty, frequency_penalty, presence_penalty: Hugging Face / OpenAI
       penalties (see `apply_penalties`); plain decoding only (`check_speculative`).
-    proposal: how the DFlash v1 drafter proposes at T > 0: 'argmax' (one-hot q, the
-      default; coherent blocks, usually more accepted) or 'sample' (each slot drawn
-      independently from its filtered distribution, dense q).
+    proposal: how drafters propose at T > 0: 'argmax' (one-hot q, the default; coherent
+      blocks, usually more accepted) or 'sample': DFlash draws each slot independently from
+      its filtered distribution (dense q), DSpark samples its Markov chain (dense q), and
+      DFlash2 samples its selector's walk over each slot's top-K candidates (sparse q).
     """
 
     temperature: float = 0.0
