@@ -24,6 +24,7 @@ CASES = [
     pytest.param(1, 70, 2, 2, 16, 64, [10], None, False, id="two-block-key-tiles-bidirectional"),
     pytest.param(2, 5, 4, 1, 64, 130, [129, 64], 64, False, id="mqa-hd64-window-equals-tile"),
     pytest.param(2, 3, 4, 2, 24, 33, [2, 33], 2, True, id="hd-not-power-of-two"),
+    pytest.param(1, 16, 8, 2, 16, 120, [100], 16, False, id="dflash2-symmetric-block-equals-window-long-ctx"),
 ]
 
 
