@@ -50,13 +50,13 @@ class Tokenizer:
     tokens (name -> text), `chat_template` the template source or None. `backend` is the
     `tokenizers.Tokenizer` underneath, `folder` where it was read from."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Mapping[str, str] = {},
+    def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Optional[Mapping[str, str]] = None,
                  chat_template: Optional[str] = None, stop_tokens: tuple = (), folder: Optional[str] = None):
         self.backend = backend
-        self.special_tokens = dict(special_tokens)
+        self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self.folder = folder
-        eos = special_tokens.get("eos_token")
+        eos = self.special_tokens.get("eos_token")
         self.eos_ids = () if eos is None else (backend.token_to_id(eos),)
         self.stop_tokens = tuple(dict.fromkeys((*stop_tokens, *self.eos_ids)))
 
@@ -129,8 +129,8 @@ def _plain(value, where: str):
     if isinstance(value, (list, tuple)):
         items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if isinstance(value, tuple) else items
-    raise ValueError(f"{where} holds a {type(value).__name__} ({value!r:.40}); a chat template takes plain data: "
-                     "strings, numbers, bools, None, lists and dicts")
+    raise ValueError(f"{where} is {value!r:.40} ({type(value).__name__}): a chat template takes plain data "
+                     "(strings, numbers, bools, None, lists and dicts)")
 
 
 class _Generation(jinja2.ext.Extension):
@@ -367,6 +367,7 @@ def stream(target, drafter, prompt, *, tokenizer: Optional[Tokenizer] = None, ma
     ids = _prompt_ids(tok, prompt, chat, chat_template_kwargs)
     n = drafter.config.block_size if burst is None else integer("burst", burst, 1, "a positive integer or None")
     stops = _default_stops(tok, target) if stop_tokens is None else stop_tokens
+    api.check_dtypes(target, drafter)
     session = Session(target, drafter, ids, max_new_tokens=max_new_tokens, stop_tokens=stops, sampling=sampling,
                       **session_kwargs)
     return _chunks(session, n, tok, _stop_set(stops))
