@@ -6,8 +6,8 @@ and `add_bos_token` in the config does not), `tokenizer_config.json` (special an
 template), `chat_template.jinja` when present, and the stop tokens of `generation_config.json` (else
 `config.json`). Chat templates are rendered as transformers renders them: jinja2's immutable
 sandbox, `trim_blocks`/`lstrip_blocks`, `raise_exception`, `tojson`, `strftime_now`, and the special
-tokens in the context. Only those fixed file names in the folder are read; a template cannot include
-files (its environment has no loader) nor reach Python internals (the sandbox).
+tokens in the context. Only those fixed file names in the folder are read; a template that includes,
+imports or extends other files is refused, and the sandbox keeps Python internals out of its reach.
 
 `generate_text` and `stream` wrap `generate` and `Session`: prompts are strings or chat message lists,
 output is text without the prompt, and the stop tokens are the tokenizer's unless given.
@@ -47,7 +47,7 @@ class Tokenizer:
     `encode(text)` / `decode(ids)` convert text and token ids; `apply_chat_template(messages)` renders a
     conversation. `stop_tokens` are the ids that end generation (the generation config's `eos_token_id`s
     and the tokenizer's EOS), `eos_ids` the tokenizer's own EOS, `special_tokens` the named special
-    tokens (name -> text), `chat_template` the template source or None. `backend` is the
+    tokens (name -> text, or None when unset), `chat_template` the template source or None. `backend` is the
     `tokenizers.Tokenizer` underneath, `folder` where it was read from."""
 
     def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Optional[Mapping[str, str]] = None,
@@ -184,6 +184,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 @functools.lru_cache(maxsize=16)
 def _compile(source: str, folder: Optional[str]) -> jinja2.Template:
+    """A chat template compiled in the environment transformers renders them in (`folder` names it in errors)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
@@ -298,7 +299,7 @@ def _stop_tokens(folder: str) -> tuple:
         if os.path.isfile(file) and (ids := _json(file).get("eos_token_id")) is not None:
             ids = [ids] if isinstance(ids, numbers.Integral) and not isinstance(ids, bool) else ids
             try:
-                return tuple(integers("eos_token_id", ids, 0, 2**31, "token id", "non-negative ids").tolist())
+                return tuple(integers("eos_token_id", ids, 0, 2**31, "token id", "[0, 2**31)").tolist())
             except ValueError as e:
                 raise CheckpointError(f"{file}: {e}") from None
     return ()
