@@ -189,7 +189,7 @@ def cmd_generate(args) -> int:
         tokenizer = load_tokenizer(args.target)
         drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, **overrides)
     stops = _stop_tokens(target, args.target or os.path.join(DEMO_DIR, "target"))
-    ids = tokenizer.encode(text).ids
+    ids = tokenizer.encode(text)
     session = dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
                                  sampling=sampling)
     sys.stdout.write(text)
