@@ -1,5 +1,4 @@
 """Pallas GPU kernels, each with a pure-jnp reference beside it (selected by `impl=`)."""
-from pallas_kernels.dynamic_conv import dynamic_conv
 from pallas_kernels.windowed_attention import block_attention
 
-__all__ = ["block_attention", "dynamic_conv"]
+__all__ = ["block_attention"]

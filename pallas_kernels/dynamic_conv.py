@@ -15,7 +15,7 @@ Kernel layout: the grid is (block, row chunk, channel tile). A program walks its
 and keeps the previous k - 1 input rows of its tile in registers, so it reads each input row
 once (and the k - 1 rows before its chunk). The dynamic kernel is gathered per channel
 (`c // gs`), so any group size works. A channel tile is the largest power of two that divides H,
-up to 512 (H 6656 = 13 x 512). Row chunks are cut until the grid has about two programs per SM.
+up to 512 (H 6656 = 13 x 512). Rows are cut into chunks until the grid has about 1024 programs.
 
 Lowering: Triton. Mosaic GPU, the project's first choice, cannot express the per-channel group
 weight on JAX 0.10, as lowering this kernel and a gather-free variant for CUDA shows:
@@ -44,10 +44,11 @@ IMPLS = ("xla", "pallas")
 # `bench/dynamic_conv.py` has measured the Pallas kernel faster on an H200 (not run yet).
 GPU_DEFAULT_IMPL = "xla"
 
+# Tile settings: first guesses, not yet swept on a GPU (`bench/dynamic_conv.py --sweep` times them).
 BLOCK_H = 512  # largest channel tile; the tile is the largest power of two <= this that divides H
-TARGET_PROGRAMS = 264  # rows are split into chunks until the grid has about this many programs (2 per SM)
+TARGET_PROGRAMS = 1024  # rows are split into chunks until the grid has about this many programs (~8 per SM)
 NUM_WARPS = 4
-NUM_STAGES = 1
+NUM_STAGES = 2
 
 
 def default_impl(backend: str | None = None) -> str:
