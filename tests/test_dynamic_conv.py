@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import hypothesis.strategies as st
 import jax
@@ -14,6 +18,7 @@ from hypothesis import given, settings
 from pallas_kernels import dynamic_conv as dc
 from pallas_kernels.dynamic_conv import dynamic_conv
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the fixture's drafter: hidden 6656, conv_group_size 16 (G 416), conv_kernel_size 2, blocks of 16 rows
 REAL_H, REAL_GS, REAL_K, REAL_T = 6656, 16, 2, 16
 
@@ -98,11 +103,12 @@ def test_pallas_kernel_matches_reference_on_random_shapes(data):
                                    err_msg=f"the Pallas kernel (which={which}) disagrees with the jnp reference")
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_pallas_kernel_matches_reference_at_the_real_geometry(n):
-    """H 6656 = 13 tiles of 512, G 416 groups of 16, k 2, T 16: one row per program at N 1, two at N 2."""
+@pytest.mark.parametrize("n, rows", [(1, None), (2, 3)], ids=["N1-default-tiles", "N2-ragged-3-row-chunks"])
+def test_pallas_kernel_matches_reference_at_the_real_geometry(n, rows):
+    """H 6656 = 13 tiles of 512, G 416 groups of 16, k 2, T 16: the default tiles (one row per program),
+    and chunks of 3 rows, each carrying the row before it (the last chunk holds one row)."""
     x, dyn, base = random_inputs(3, n, REAL_T, REAL_H, REAL_H // REAL_GS, REAL_K)
-    got = both_halves(x, dyn, base, "pallas")
+    got = both_halves(x, dyn, base, "pallas", rows=rows)
     want = both_halves(x, dyn, base, "xla")
     for which in (0, 1):
         np.testing.assert_allclose(np.asarray(got[which]), np.asarray(want[which]), atol=1e-5, rtol=1e-5,
@@ -201,3 +207,19 @@ def test_integer_inputs_and_bad_tiles_are_refused():
         dc._pallas_conv(x, dyn, base, which=0, interpret=True, block_h=8)
     with pytest.raises(ValueError, match="block_h=3 must be a power of two"):
         dc._pallas_conv(x, dyn, base, which=0, interpret=True, block_h=3)
+
+
+def test_benchmark_tiny_run_writes_agreeing_cells(tmp_path):
+    """`bench/dynamic_conv.py --tiny` (CPU, Pallas interpreted): speed is not asserted, the report is."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "dynamic_conv.py"), "--tiny", "--sweep",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "dynamic_conv_tiny.json") as f:
+        report = json.load(f)
+    assert report["checks"] and all(c["ok"] for c in report["checks"]), report["checks"]
+    halves = {(c["N"], c["half"]) for c in report["cells"]}
+    assert halves == {(n, h) for n in (2,) for h in ("prepare", "finish", "layer")}, halves
+    for c in report["cells"]:
+        assert c["xla_us"] > 0 and c["pallas_us"] > 0 and c["bytes"] > 0 and c["roofline_us"] > 0, c
+    assert report["sweep"] and all(s["pallas_us"] > 0 for s in report["sweep"]), report.get("sweep")
+    assert report["settings"]["tiny"] is True and report["gpu_default_impl"] in dc.IMPLS
