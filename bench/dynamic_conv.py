@@ -104,7 +104,7 @@ def time_cells(key, geo: dict, bandwidth: float, iters: int, inner: int) -> list
     for n in geo["batches"]:
         x, dyn, base, w = random_inputs(jax.random.fold_in(key, n), n, geo)
         for half in (*HALVES.values(), "layer"):
-            row = {"N": n, "rows": n * geo["t"], "half": half}
+            row = {"N": n, "rows_total": n * geo["t"], "half": half}
             for impl in dc.IMPLS:
                 if half == "layer":
                     conv = conv_fn(impl, 0)
