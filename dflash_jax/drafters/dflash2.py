@@ -46,7 +46,7 @@ def identity_kernel(key, shape, dtype=jnp.float32):
 def conv_impl(impl: str) -> str:
     """The dynamic convolution's implementation for an attention `impl`: the reference with the reference,
     else the kernel module's default (the faster one on the GPU, by its benchmark)."""
-    return "xla" if impl == "xla" else dconv.DEFAULT_IMPL
+    return "xla" if impl == "xla" else dconv.default_impl()
 
 
 class DFlash2Layer(DFlashLayer):
