@@ -40,8 +40,11 @@ from pallas_kernels.windowed_attention import _triton_compiler_params
 
 IMPLS = ("xla", "pallas")
 
-# The impl a model uses on a GPU when none is asked for. It is the jnp reference until
-# `bench/dynamic_conv.py` has measured the Pallas kernel faster on an H200 (not run yet).
+# The impl a model uses on a GPU when none is asked for. On the H200 (bench/results/dynamic_conv.json and
+# dynamic_conv_sweep.json, JAX 0.11.2) both impls take 13-25 us a call at the fixture geometry, bound by the
+# launch rather than the bytes (0.1-7 us at the copy bandwidth), and neither wins consistently: the cells
+# where Pallas led in one run it trailed in the other. The reference stays the default, since XLA can fuse
+# it with its neighbours in a round and a custom call cannot be fused.
 GPU_DEFAULT_IMPL = "xla"
 
 # Tile settings: first guesses, not yet swept on a GPU (`bench/dynamic_conv.py --sweep` times them).
