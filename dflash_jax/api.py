@@ -14,7 +14,8 @@ from dflash_jax import hub
 from dflash_jax import sampling as smp
 from dflash_jax.config import check_fits_target, policy
 from dflash_jax.decoding import speculative as spec
-from dflash_jax.decoding.common import Result, check_capacity, check_memory, pack_prompts, stop_array
+from dflash_jax.decoding.common import (Result, check_capacity, check_dtypes, check_memory, pack_prompts,
+                                       stop_array)
 from dflash_jax.decoding.plain import plain_generate
 from dflash_jax.decoding.session import Session
 from dflash_jax.drafters.base import Drafter
@@ -57,17 +58,6 @@ def load_drafter(path, target: Target | None = None, dtype=None, *, check_finite
                                     check_finite=check_finite, **overrides)
 
 
-def check_dtypes(target: Target, drafter: Drafter) -> None:
-    """Refuse a drafter whose weights are not in its target's dtype (it computes on the target's hidden
-    states, so both share one), naming both and the fix."""
-    held = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(drafter.params) if jnp.issubdtype(leaf.dtype,
-                                                                                                 jnp.floating)})
-    if held != [target.config.dtype]:
-        raise ValueError(f"the drafter's weights are {', '.join(held)} and the target computes in "
-                         f"{target.config.dtype}: a drafter computes in its target's dtype. Load it with its target, "
-                         "load_drafter(path, target), which casts it")
-
-
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),
              sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
              capacity: Optional[int] = None, impl: Optional[str] = None, verify_t: Optional[int] = None,
@@ -91,7 +81,6 @@ def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tok
                              "has none")
         return plain_generate(target, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                               sampling=sampling, capacity=capacity, impl=impl, lengths=lengths)
-    check_dtypes(target, drafter)
     return Session(target, drafter, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                    sampling=sampling, capacity=capacity, impl=impl, verify_t=verify_t,
                    verify_buckets=verify_buckets, lengths=lengths).run()

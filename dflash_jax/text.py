@@ -368,7 +368,6 @@ def stream(target, drafter, prompt, *, tokenizer: Optional[Tokenizer] = None, ma
     ids = _prompt_ids(tok, prompt, chat, chat_template_kwargs)
     n = drafter.config.block_size if burst is None else integer("burst", burst, 1, "a positive integer or None")
     stops = _default_stops(tok, target) if stop_tokens is None else stop_tokens
-    api.check_dtypes(target, drafter)
     session = Session(target, drafter, ids, max_new_tokens=max_new_tokens, stop_tokens=stops, sampling=sampling,
                       **session_kwargs)
     return _chunks(session, n, tok, _stop_set(stops))

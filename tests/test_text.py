@@ -319,7 +319,8 @@ def test_a_drafter_in_another_dtype_than_its_target_is_refused_naming_the_fix(pa
     calls = (lambda: dflash_jax.generate(target, bf16, [[1, 2]], max_new_tokens=4),
              lambda: dflash_jax.propose(target, bf16, [[1, 2]]),
              lambda: dflash_jax.generate_text(target, bf16, "x", tokenizer=tok, max_new_tokens=4),
-             lambda: dflash_jax.stream(target, bf16, "x", tokenizer=tok, max_new_tokens=4))
+             lambda: dflash_jax.stream(target, bf16, "x", tokenizer=tok, max_new_tokens=4),
+             lambda: dflash_jax.Session(target, bf16, [[1, 2]], max_new_tokens=4))
     for call in calls:
         with pytest.raises(ValueError, match=r"drafter's weights are bfloat16 and the target computes in float32: .*"
                                              r"load_drafter\(path, target\)"):

@@ -148,6 +148,17 @@ def _cut_rows(prompts, lengths) -> list:
     return [row[:k] for row, k in zip(arr, n)]
 
 
+def check_dtypes(target: Target, drafter: Drafter) -> None:
+    """Refuse a drafter whose weights are not in its target's dtype (it computes on the target's hidden
+    states, so both share one), naming both and the fix."""
+    held = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(drafter.params) if jnp.issubdtype(leaf.dtype,
+                                                                                                 jnp.floating)})
+    if held != [target.config.dtype]:
+        raise ValueError(f"the drafter's weights are {', '.join(held)} and the target computes in "
+                         f"{target.config.dtype}: a drafter computes in its target's dtype. Load it with its target, "
+                         "load_drafter(path, target), which casts it")
+
+
 def check_capacity(prompts: Prompts, max_new_tokens: int, limit: int, slack: int, capacity: Optional[int]) -> int:
     """Cache capacity for this run, or ValueError naming the numbers.
 

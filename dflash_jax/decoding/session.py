@@ -24,6 +24,7 @@ from dflash_jax.decoding.common import (
     Result,
     Stats,
     check_capacity,
+    check_dtypes,
     check_finite,
     check_memory,
     integer,
@@ -69,6 +70,7 @@ class Session:
                  capacity: Optional[int] = None, impl: Optional[str] = None, inject: Optional[spec.Injected] = None,
                  verify_t: Optional[int] = None, verify_buckets=None, lengths=None):
         check_fits_target(drafter.config, target.config)
+        check_dtypes(target, drafter)
         impl = policy.attention_impl(impl)
         p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
         rows = smp.per_row(sampling, p.batch)
