@@ -372,7 +372,7 @@ def test_selector_ce_equals_a_numpy_computation_and_masks_slots_whose_label_is_n
     labels[1, 2] = next(t for t in range(v) if t not in cand[1, 2])
     labels[1, 0] = cand[1, 0, 3]
     w = train.loss_weights(4, 1.5)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     loss, masked = train.selector_ce(f32(pred), f32(succ), f32(unary), jnp.asarray(cand), f32(hp), jnp.asarray(prev),
                                      jnp.asarray(labels), w)
     want_loss, want_masked = _np_selector_ce(pred, succ, unary, cand, hp, prev, labels, w.astype(np.float64))

@@ -2,10 +2,10 @@
 
 All prompts decode as one ragged batch per setting; acceptance length is tokens committed per
 round over all rounds (`Stats.acceptance_length`). Each greedy run is checked token-identical
-to plain greedy decoding. Every drafter runs at T = 0 and at T = 0.7 with argmax proposals. With
-`--extras` (the default), a DSpark drafter also runs its sampled chain and the mask-fill harvest, the
-wrong one for its shifted training, which should accept almost nothing; a DFlash2 drafter runs its
-sampled selector walk (`proposal="sample"`). `--extras-for` limits those cells to some drafters.
+to plain greedy decoding. Every drafter runs at T = 0 and at T = 0.7 with argmax proposals. By
+default a DSpark drafter also runs its sampled chain and the mask-fill harvest, the wrong one for
+its shifted training, which should accept almost nothing, and a DFlash2 drafter its sampled selector
+walk (`proposal="sample"`); `--extras-for` keeps those extra cells to the drafters it names.
 
     python bench/demo_pair/compare_drafters.py --target T --drafters D1 D2 --prompts DATA/prompts.json --out F
 """
