@@ -18,10 +18,13 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import tiny_drafter, tiny_target
+import dflash_jax
+from conftest import drafter_param_shapes, random_params, tiny_drafter, tiny_target
+from dflash_jax import sampling as smp
 from dflash_jax import train
 from dflash_jax.config import CheckpointError, default_target_layer_ids
-from dflash_jax.io.checkpoints import make_drafter, read_drafter, write_target
+from dflash_jax.drafters.base import ProposeSettings
+from dflash_jax.io.checkpoints import make_drafter, make_target, read_drafter, write_target
 
 F32 = dict(compute_dtype="float32")
 
@@ -337,3 +340,190 @@ def test_cli_refuses_a_tokenizer_without_mask_token_naming_the_option(tmp_path, 
     err = capsys.readouterr().err
     assert rc == 1 and "--mask-token-id" in err and "<|mask|>" in err, err
     assert not (tmp_path / "d").exists(), "nothing is written when the command refuses"
+
+
+# ---------------------------------------------------------------------------------------
+# DFlash2: the backbone's CE plus the candidate selector's, metrics of the greedy walk.
+
+
+def _np_selector_ce(pred, succ, unary, cand, hp, prev, labels, w):
+    """(loss, masked share) in float64 numpy, one slot at a time."""
+    total, masked, slots = 0.0, 0, 0
+    for idx in np.ndindex(*labels.shape):
+        slots += 1
+        if labels[idx] not in cand[idx]:
+            masked += 1
+            continue
+        scores = unary[idx] + np.array([np.sum(pred[prev[idx]] * hp[idx] * succ[c]) for c in cand[idx]])
+        target = list(cand[idx]).index(labels[idx])
+        total += w[idx[-1]] * (np.log(np.exp(scores).sum()) - scores[target])
+    return total / (slots // labels.shape[-1] * w.sum()), masked / slots
+
+
+def test_selector_ce_equals_a_numpy_computation_and_masks_slots_whose_label_is_no_candidate():
+    rng = np.random.default_rng(0)
+    v, r, k = 12, 3, 4
+    pred, succ = rng.normal(size=(v, r)), rng.normal(size=(v, r))
+    cand = np.stack([rng.permutation(v)[:k] for _ in range(6)]).reshape(2, 3, k).astype(np.int32)
+    unary, hp = 2 * rng.normal(size=(2, 3, k)), rng.normal(size=(2, 3, r))
+    prev = rng.integers(0, v, (2, 3)).astype(np.int32)
+    labels = cand[..., 0].copy()
+    labels[0, 1] = next(t for t in range(v) if t not in cand[0, 1])  # two slots whose label is no candidate
+    labels[1, 2] = next(t for t in range(v) if t not in cand[1, 2])
+    labels[1, 0] = cand[1, 0, 3]
+    w = train.loss_weights(4, 1.5)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    loss, masked = train.selector_ce(f32(pred), f32(succ), f32(unary), jnp.asarray(cand), f32(hp), jnp.asarray(prev),
+                                     jnp.asarray(labels), w)
+    want_loss, want_masked = _np_selector_ce(pred, succ, unary, cand, hp, prev, labels, w.astype(np.float64))
+    assert abs(float(loss) - want_loss) < 1e-5 * max(1.0, want_loss), f"selector CE {float(loss)} != {want_loss}"
+    assert abs(float(masked) - 2 / 6) < 1e-6, f"2 of 6 slots have their label outside the candidates; got {masked}"
+
+
+def test_selector_ce_trains_the_chain_and_not_the_unary_logits():
+    rng = np.random.default_rng(1)
+    args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((8, 2), (8, 2), (1, 2, 3))]
+    cand, hp = jnp.array([[[1, 2, 3], [4, 5, 6]]], jnp.int32), jnp.asarray(rng.normal(size=(1, 2, 2)), jnp.float32)
+    prev, labels = jnp.array([[0, 2]], jnp.int32), jnp.array([[2, 6]], jnp.int32)
+
+    def loss(pred, succ, unary, hp):
+        return train.selector_ce(pred, succ, unary, cand, hp, prev, labels, np.ones(2, np.float32))[0]
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args, hp)
+    assert float(jnp.max(jnp.abs(grads[2]))) == 0.0, "the unary logits enter the selector's CE under stop_gradient"
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in (grads[0], grads[1], grads[3])), \
+        "the codebooks and the hidden projection's input are what the selector's CE trains"
+
+
+def _tiny_dflash2(target, seed: int = 1):
+    """A random DFlash2 drafter from `init_drafter`'s config: block 5, window 6 (shorter than the context), K 4, with
+    codebooks strong enough that the walk leaves the per-slot argmax."""
+    cfg, _ = train.init_drafter(target.config, num_layers=2, block_size=5, mask_token_id=63, family="dflash2",
+                                target_layer_ids=(0, 2), selector_rank=4, selector_top_k=4, conv_group_size=8,
+                                sliding_window=6)
+    params = random_params(drafter_param_shapes(cfg), seed)
+    return make_drafter(cfg, dict(params, selector_pred=20 * params["selector_pred"]))
+
+
+@jax.jit
+def _inference_proposal(drafter, target, taps, tokens_row, anchor):
+    """Hidden `[b, H]` and greedy drafts `[nd]` of one block as decoding makes them: ingest the taps of positions
+    < anchor, then `propose` at temperature 0 (batch of 1)."""
+    t = taps.shape[0]
+    cache = drafter.init_state(1, t + drafter.config.block_size)
+    cache, pending = drafter.ingest(cache, taps[None], jnp.zeros((1,), jnp.int32))
+    cache = drafter.commit(cache, pending, jnp.reshape(anchor, (1,)).astype(jnp.int32))
+    first = jnp.reshape(tokens_row[anchor], (1,))
+    h = drafter.draft_hidden(cache, drafter.block_input(target, first))
+    settings = ProposeSettings(greedy=True, proposal="argmax", impl="xla", verify_cap=drafter.config.block_size)
+    proposal = drafter.propose(cache, target, first, smp.row_params(None, 1), jnp.zeros((1,), jnp.uint32), settings)
+    return h[0], proposal.drafts[0]
+
+
+@pytest.mark.parametrize("labels", train.LABELS)
+def test_dflash2_loss_and_metrics_equal_the_inference_forward_and_its_greedy_walk(target, labels):
+    """Per block, by hand from the decoding path: the backbone CE of the harvested logits, the selector CE of their
+    top-K (numpy) with the text's previous token, and acc_len / slot_acc of the drafts `propose` makes. The target's
+    head favours tokens 0..5, so drafts often match its choices and the walk's matches differ from the argmax's."""
+    target = make_target(target.config, dict(target.params, lm_head=target.params["lm_head"].at[:, 6:].multiply(0.05)))
+    drafter = _tiny_dflash2(target)
+    cfg, p = drafter.config, jax.tree.map(lambda x: np.asarray(x, np.float64), drafter.params)
+    tokens = np.random.default_rng(1).integers(2, 60, (2, 14)).astype(np.int32)
+    anchors = np.array([[2, 8], [1, 9]], np.int32)
+    gamma = 1.5
+    loss_fn = jax.jit(functools.partial(train.drafter_loss, target_cfg=target.config, cfg=cfg, dtype=jnp.float32,
+                                        weights=train.loss_weights(5, gamma), labels=labels))
+    loss, metrics = loss_fn(drafter.params, target.params, jnp.asarray(tokens), jnp.asarray(anchors))
+    taps, h_train = _train_hidden(drafter, target, jnp.asarray(tokens), jnp.asarray(anchors))
+    target_choice = np.asarray(jnp.argmax(target.full_logits(tokens), axis=-1))
+    w = np.exp(-np.arange(4) / gamma)
+    ce, sel, masked, lengths, agree, argmax_agree = 0.0, 0.0, 0.0, [], [], []
+    for row in range(2):
+        for j, a in enumerate(anchors[row]):
+            h, drafts = _inference_proposal(drafter, target, taps[row], jnp.asarray(tokens[row]), a)
+            assert float(jnp.max(jnp.abs(h_train[row, j] - h))) < 1e-5, "training forward != decoding forward"
+            logits = np.asarray(drafter.harvest_logits(target, h[None]), np.float64)[0]
+            want = tokens[row, a + 1:a + 5] if labels == "data" else target_choice[row, a:a + 4]
+            ce += float((w * (np.log(np.exp(logits).sum(-1)) - logits[np.arange(4), want])).sum())
+            cand = np.argsort(-logits, axis=-1)[:, :4]
+            unary = np.take_along_axis(logits, cand, -1)
+            hp = np.asarray(h[1:], np.float64) @ p["selector_hidden"]
+            block_sel, block_masked = _np_selector_ce(p["selector_pred"], p["selector_succ"], unary[None], cand[None],
+                                                      hp[None], tokens[row, a:a + 4][None], want[None], w)
+            sel, masked = sel + block_sel, masked + block_masked
+            match = np.asarray(drafts) == target_choice[row, a:a + 4]
+            agree.append(match)
+            lengths.append(1 + int(np.cumprod(match).sum()))
+            argmax_agree.append(logits.argmax(-1) == target_choice[row, a:a + 4])
+    assert not np.array_equal(agree, argmax_agree), "the walk must match the target elsewhere than the argmax does"
+    ce, sel = ce / (4 * w.sum()), sel / 4
+    assert abs(float(metrics["backbone_ce"]) - ce) < 1e-5 * max(1.0, ce), f"{metrics['backbone_ce']} != {ce}"
+    assert abs(float(metrics["selector_ce"]) - sel) < 1e-5 * max(1.0, sel), f"{metrics['selector_ce']} != {sel}"
+    assert abs(float(loss) - (ce + sel)) < 1e-5 * max(1.0, ce + sel), "the loss is the backbone CE plus the selector's"
+    assert abs(float(metrics["selector_masked"]) - masked / 4) < 1e-6
+    assert abs(float(metrics["acc_len"]) - np.mean(lengths)) < 1e-6, "acc_len follows the drafts propose makes"
+    np.testing.assert_allclose(metrics["slot_acc"], np.mean(agree, axis=0), atol=1e-6,
+                               err_msg="slot_acc compares the greedy walk's drafts with the target's choices")
+
+
+def test_a_dflash2_drafter_trains_from_the_cli_loads_through_its_family_and_decodes_losslessly(tmp_path, capsys):
+    """30 float32 steps of `train-drafter --family dflash2` on one repeated window towards the target's choices."""
+    target = _target_dir(tmp_path, ["<|endoftext|>", "<|mask|>"])
+    corpus = tmp_path / "window.npy"
+    np.save(corpus, np.random.default_rng(2).integers(2, target.config.vocab_size, 24).astype(np.int32))
+    out = tmp_path / "drafter"
+    rc = _run_cli(["train-drafter", "--target", str(tmp_path), "--corpus", str(corpus), "--out", str(out),
+                   "--layers", "2", "--block-size", "4", "--steps", "30", "--batch-size", "2", "--seq-len", "24",
+                   "--anchors-per-seq", "6", "--lr", "1e-2", "--warmup-steps", "3", "--dtype", "float32",
+                   "--labels", "target", "--family", "dflash2", "--selector-rank", "4", "--selector-top-k", "4",
+                   "--conv-kernel-size", "3", "--conv-group-size", "8", "--sliding-window", "16"])
+    assert rc == 0, capsys.readouterr().err
+    history = json.loads((out / "train_log.json").read_text())["history"]
+    assert history[-1]["loss"] < 0.7 * history[0]["loss"], [r["loss"] for r in history]
+    assert history[-1]["acc_len"] > history[0]["acc_len"] + 0.3, [r["acc_len"] for r in history]
+    assert {"selector_ce", "selector_masked", "argmax_acc_len"} <= set(history[-1]), "the selector's metrics are logged"
+    drafter = read_drafter(out, target.config, dtype="float32")
+    cfg = drafter.config
+    assert (cfg.family, cfg.harvest, cfg.selector_rank, cfg.selector_top_k, cfg.conv_kernel_size,
+            cfg.conv_group_size, cfg.layer_window, cfg.causal) == ("dflash2", "dflash", 4, 4, 3, 8, (16, 16),
+                                                                   (False, False)), cfg
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [2, 3], list(range(12, 40))]
+    plain = dflash_jax.generate(target, None, prompts, max_new_tokens=24).tokens
+    spec = dflash_jax.generate(target, drafter, prompts, max_new_tokens=24)
+    assert spec.tokens == plain and spec.stats.rounds > 0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(family="medusa"), ValueError, r"family 'medusa' cannot be trained; choices: dflash, dspark, dflash2"),
+    (dict(selector_rank=8), ValueError, r"selector_rank set for family 'dflash': it is DFlash2's; use "
+                                        r"family='dflash2'"),
+    (dict(family="dspark", conv_group_size=8, sliding_window=64), ValueError,
+     r"conv_group_size, sliding_window set for family 'dspark': they are DFlash2's; use family='dflash2'"),
+    (dict(family="dflash2", markov_rank=4), ValueError, r"markov_rank set for family 'dflash2': it is DSpark's; "
+                                                        r"use family='dspark'"),
+    (dict(family="dflash2", confidence=True), ValueError, r"confidence set for family 'dflash2'.*family='dspark'"),
+    (dict(family="dflash2", sliding_window=3), CheckpointError, r"DFlash2 block_size 4 exceeds the sliding window 3"),
+    (dict(family="dflash2", conv_group_size=5), CheckpointError, r"conv_group_size 5 does not divide hidden_size 32"),
+    (dict(family="dflash2", selector_rank=0), CheckpointError, r"selector_rank 0: expected a positive integer"),
+])
+def test_init_drafter_refuses_a_family_with_the_wrong_arguments(target, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        train.init_drafter(target.config, num_layers=1, block_size=4, mask_token_id=63, **kwargs)
+
+
+def test_init_drafter_gives_dflash2_the_published_sizes_and_non_causal_windows_over_the_whole_target(target):
+    cfg, params = train.init_drafter(target.config, num_layers=2, block_size=4, mask_token_id=63, family="dflash2")
+    assert (cfg.selector_rank, cfg.selector_top_k, cfg.conv_kernel_size, cfg.conv_group_size) == (256, 16, 2, 16)
+    window = target.config.max_position_embeddings
+    assert cfg.layer_window == (window, window) and cfg.causal == (False, False) and cfg.harvest == "dflash"
+    assert params["selector_pred"].shape == (target.config.vocab_size, 256)
+
+
+def test_cli_refuses_a_dspark_head_for_dflash2_in_one_line(tmp_path, capsys):
+    _target_dir(tmp_path, ["<|endoftext|>", "<|mask|>"])
+    (tmp_path / "c.txt").write_text("".join(TEXT))
+    rc = _run_cli(["train-drafter", "--target", str(tmp_path), "--corpus", str(tmp_path / "c.txt"),
+                   "--out", str(tmp_path / "d"), "--family", "dflash2", "--markov-rank", "4"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("refused: markov_rank set for family 'dflash2'") and "family='dspark'" in err, err
+    assert not (tmp_path / "d").exists()

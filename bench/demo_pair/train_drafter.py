@@ -1,13 +1,13 @@
-"""Demo pair, step 4: train a DFlash (or, with `--family dspark`, DSpark) drafter (block 16) for the demo
-target and export it.
+"""Demo pair, step 4: train a DFlash (or, with `--family dspark` / `dflash2`, a DSpark or DFlash2) drafter
+(block 16) for the demo target and export it.
 
     python bench/demo_pair/train_drafter.py --target .work/demo/target --data .work/demo/tok --out .work/demo/drafter
 
-Three full-attention draft layers at the target's shapes tapping target layers 1, 3, 5
+Three draft layers at the target's shapes (full attention; DFlash2's symmetric windows) tapping target layers 1, 3, 5
 (the reference rule for 3 draft layers over 8), about 2.56M parameters (refused above
-3M), mask token `<|mask|>` from the target's tokenizer. Trained with
-`dflash_jax.train.train_drafter` on train.npy; `--out` receives the z-lab DFlashDraftModel
-checkpoint (config.json + model.safetensors, bfloat16) and train_log.json, to which the
+3M; a DFlash2 drafter with `--selector-rank 32` has 2.93M), mask token `<|mask|>` from the
+target's tokenizer. Trained with `dflash_jax.train.train_drafter` on train.npy; `--out` receives
+the family's checkpoint (config.json + model.safetensors, bfloat16) and train_log.json, to which the
 held-out evaluation (loss, acceptance-length estimate, per-slot agreement with the target's
 argmax) is added. Defaults are sized for about 3 minutes on one H200.
 """

@@ -16,11 +16,18 @@ from dflash_jax.train.loop import (
     train_drafter,
     write_log,
 )
-from dflash_jax.train.objective import acceptance_length, drafter_loss, lm_loss, loss_weights, weighted_block_ce
+from dflash_jax.train.objective import (
+    acceptance_length,
+    drafter_loss,
+    lm_loss,
+    loss_weights,
+    selector_ce,
+    weighted_block_ce,
+)
 
 __all__ = [
     "COMPUTE_DTYPES", "LABELS", "TrainConfig", "acceptance_length", "add_cli", "check_token_stream", "corpus_files",
     "drafter_loss", "evaluate_drafter", "evaluate_target", "init_drafter", "init_target", "lm_loss", "load_corpus",
     "loss_weights", "make_optimizer", "param_count", "pretrain_target", "sample_anchors", "sample_windows",
-    "train_drafter", "weighted_block_ce", "write_log",
+    "selector_ce", "train_drafter", "weighted_block_ce", "write_log",
 ]

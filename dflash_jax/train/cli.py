@@ -1,4 +1,5 @@
-"""`dflash-jax train-drafter`: tokenize a corpus, train a DFlash drafter for a target, export it."""
+"""`dflash-jax train-drafter`: tokenize a corpus, train a DFlash, DSpark or DFlash2 drafter for a target, export
+it."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,9 @@ from dflash_jax.io import checkpoints, publish
 from dflash_jax.train.data import check_token_stream, load_corpus
 from dflash_jax.train.loop import (
     COMPUTE_DTYPES,
+    DFLASH2_DEFAULTS,
     LABELS,
+    TRAINABLE_FAMILIES,
     TrainConfig,
     check_drafter_for_target,
     init_drafter,
@@ -38,16 +41,32 @@ def refuse(error: BaseException, debug: bool = False) -> int:
 
 
 def add_family_args(p) -> None:
-    """`--family`, `--markov-rank`, `--confidence`: which drafter family to train, with which heads."""
-    p.add_argument("--family", default="dflash", choices=["dflash", "dspark"],
-                   help="dflash: mask-fill (rows 1..b-1); dspark: shifted labels (rows 0..b-1) and optional heads")
+    """`--family` and its size flags: which drafter family to train, with which heads."""
+    p.add_argument("--family", default="dflash", choices=list(TRAINABLE_FAMILIES),
+                   help="dflash: mask-fill (rows 1..b-1); dspark: shifted labels (rows 0..b-1) and optional heads; "
+                        "dflash2: mask-fill with dynamic convolutions and a candidate selector")
     p.add_argument("--markov-rank", type=int, help="DSpark: add a Markov head of this rank")
     p.add_argument("--confidence", action="store_true", help="DSpark: add a confidence head (sizes verify windows)")
+    d = DFLASH2_DEFAULTS
+    p.add_argument("--selector-rank", type=int,
+                   help=f"DFlash2: the selector's codebook rank (default {d['selector_rank']})")
+    p.add_argument("--selector-top-k", type=int,
+                   help=f"DFlash2: candidates per slot the selector walks over (default {d['selector_top_k']})")
+    p.add_argument("--conv-kernel-size", type=int,
+                   help=f"DFlash2: taps of the dynamic convolutions (default {d['conv_kernel_size']})")
+    p.add_argument("--conv-group-size", type=int,
+                   help=f"DFlash2: channels sharing one dynamic kernel (default {d['conv_group_size']}; it must "
+                        "divide the hidden size)")
+    p.add_argument("--sliding-window", type=int,
+                   help="DFlash2: the layers' symmetric window (default the target's max_position_embeddings)")
 
 
 def family_kwargs(args) -> dict:
     """`init_drafter` keywords from `add_family_args`'s flags."""
-    return dict(family=args.family, markov_rank=args.markov_rank, confidence=args.confidence)
+    return dict(family=args.family, markov_rank=args.markov_rank, confidence=args.confidence,
+                selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+                sliding_window=args.sliding_window)
 
 
 def add_cli(subparsers) -> None:
@@ -55,9 +74,9 @@ def add_cli(subparsers) -> None:
     d = TrainConfig()
     p = subparsers.add_parser(
         "train-drafter",
-        help="train a DFlash or DSpark drafter for a Hugging Face target on a text corpus",
-        description="Train a DFlash (DFlashDraftModel) or DSpark (DSparkDraftModel) drafter for a frozen "
-                    "Qwen3/Llama target.",
+        help="train a DFlash, DSpark or DFlash2 drafter for a Hugging Face target on a text corpus",
+        description="Train a DFlash (DFlashDraftModel), DSpark (DSparkDraftModel) or DFlash2 (DFlash2DraftModel) "
+                    "drafter for a frozen Qwen3/Llama target.",
     )
     p.add_argument("--target", required=True, help="target directory: config.json, *.safetensors, tokenizer.json")
     p.add_argument("--corpus", required=True,

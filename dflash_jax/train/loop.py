@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from dflash_jax.config import (
+    FAMILY_NAMES,
     DrafterConfig,
     TargetConfig,
     check_fits_target,
@@ -118,30 +119,57 @@ def init_target(cfg: TargetConfig, seed: int = 0) -> dict:
     return checkpoints.target_family(cfg).init(cfg, seed)
 
 
+TRAINABLE = (("dflash", "dflash"), ("dspark", "dspark"), ("dflash2", "dflash"))
+"""(family, harvest) pairs with an objective: DFlash mask-fill, DSpark shifted, DFlash2 mask-fill."""
+TRAINABLE_FAMILIES = tuple(family for family, _ in TRAINABLE)
+DFLASH2_DEFAULTS = dict(selector_rank=256, selector_top_k=16, conv_kernel_size=2, conv_group_size=16)
+"""`init_drafter`'s DFlash2 sizes: the published drafter's (tests/fixtures/dflash2-config.json)."""
+FAMILY_ARGS = {"dspark": ("markov_rank", "confidence"),
+               "dflash2": (*DFLASH2_DEFAULTS, "sliding_window")}
+"""The keywords of `init_drafter` that only one family takes."""
+
+
 def init_drafter(target_cfg: TargetConfig, *, num_layers: int, block_size: int, mask_token_id: int,
                  target_layer_ids=None, intermediate_size=None, num_heads=None, num_kv_heads=None,
                  head_dim=None, seed: int = 0, family: str = "dflash", markov_rank: Optional[int] = None,
-                 confidence: bool = False) -> tuple:
+                 confidence: bool = False, selector_rank: Optional[int] = None, selector_top_k: Optional[int] = None,
+                 conv_kernel_size: Optional[int] = None, conv_group_size: Optional[int] = None,
+                 sliding_window: Optional[int] = None) -> tuple:
     """(DrafterConfig, float32 params) of a fresh drafter for `target_cfg`.
 
-    `family` "dflash" (mask-fill) or "dspark" (shifted harvest; `markov_rank` adds a Markov
-    head, `confidence` a confidence head, fed the Markov embedding when there is one). Shapes
-    default to the target's; every layer is full attention, bidirectional inside the block.
-    `target_layer_ids` defaults to the first reference's rule (`[N // 2]` for one draft layer,
-    else `round(1 + i * (N - 4) / (n - 1))`). The config goes through the same census
+    `family` "dflash" (mask-fill), "dspark" (shifted harvest; `markov_rank` adds a Markov
+    head, `confidence` a confidence head, fed the Markov embedding when there is one) or
+    "dflash2" (mask-fill; the candidate selector's `selector_rank` and `selector_top_k`, the
+    convolutions' `conv_kernel_size` and `conv_group_size`, default the published drafter's
+    `DFLASH2_DEFAULTS`). DFlash and DSpark layers are full attention; DFlash2 layers are all
+    sliding attention, non-causal, with `sliding_window` (default the target's
+    `max_position_embeddings`, so no context is dropped). A keyword of another family is
+    refused. Shapes default to the target's; blocks are bidirectional. `target_layer_ids`
+    defaults to the first reference's rule (`[N // 2]` for one draft layer, else
+    `round(1 + i * (N - 4) / (n - 1))`). The config goes through the same census
     `read_drafter` applies, so what is trained is what will be loaded.
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers {num_layers!r}: expected an integer >= 1")
-    if family not in ("dflash", "dspark"):
-        raise ValueError(f"family {family!r} cannot be trained; choices: dflash, dspark")
-    if family == "dflash" and (markov_rank is not None or confidence):
-        raise ValueError("markov_rank and confidence are DSpark heads; use family='dspark'")
+    if family not in TRAINABLE_FAMILIES:
+        raise ValueError(f"family {family!r} cannot be trained; choices: {', '.join(TRAINABLE_FAMILIES)}")
+    given = dict(markov_rank=markov_rank, confidence=confidence or None, selector_rank=selector_rank,
+                 selector_top_k=selector_top_k, conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                 sliding_window=sliding_window)
+    for owner, names in FAMILY_ARGS.items():
+        foreign = [n for n in names if given[n] is not None]
+        if owner != family and foreign:
+            raise ValueError(f"{', '.join(foreign)} set for family {family!r}: "
+                             f"{'they are' if len(foreign) > 1 else 'it is'} {FAMILY_NAMES[owner]}'s; "
+                             f"use family={owner!r}, or leave {'them' if len(foreign) > 1 else 'it'} unset")
     ids = default_target_layer_ids(target_cfg.num_layers, num_layers) if target_layer_ids is None else target_layer_ids
-    heads = {}
+    heads, window = {}, None
     if family == "dspark":
         heads = dict(harvest="dspark", markov_rank=markov_rank,
                      confidence_in_dim=target_cfg.hidden_size + (markov_rank or 0) if confidence else None)
+    elif family == "dflash2":
+        heads = {k: default if given[k] is None else given[k] for k, default in DFLASH2_DEFAULTS.items()}
+        window = target_cfg.max_position_embeddings if sliding_window is None else sliding_window
     cfg = DrafterConfig(
         family=family,
         hidden_size=target_cfg.hidden_size,
@@ -155,7 +183,7 @@ def init_drafter(target_cfg: TargetConfig, *, num_layers: int, block_size: int, 
         block_size=block_size,
         mask_token_id=mask_token_id,
         target_layer_ids=tuple(ids),
-        layer_window=(None,) * num_layers,
+        layer_window=(window,) * num_layers,
         causal=(False,) * num_layers,
         vocab_size=target_cfg.vocab_size,
         num_target_layers=target_cfg.num_layers,
@@ -287,15 +315,11 @@ def _fit(loss_fn: Callable, params, frozen, tc: TrainConfig, next_batch: Callabl
 # Public trainers and evaluation.
 
 
-TRAINABLE = (("dflash", "dflash"), ("dspark", "dspark"))
-"""(family, harvest) pairs with an objective: DFlash mask-fill, DSpark shifted."""
-
-
 def check_drafter_for_target(target_cfg: TargetConfig, cfg: DrafterConfig, params, tc: TrainConfig) -> None:
     if (cfg.family, cfg.harvest) not in TRAINABLE:
         raise ValueError(
-            f"only DFlash drafters with the mask-fill harvest and DSpark drafters with the shifted harvest can be "
-            f"trained; got family {cfg.family!r}, harvest {cfg.harvest!r}"
+            f"only DFlash and DFlash2 drafters with the mask-fill harvest and DSpark drafters with the shifted "
+            f"harvest can be trained; got family {cfg.family!r}, harvest {cfg.harvest!r}"
         )
     check_fits_target(cfg, target_cfg)
     if tc.seq_len > target_cfg.max_position_embeddings:
@@ -333,9 +357,10 @@ def _drafter_batches(rng: np.random.Generator, data: np.ndarray, cfg: DrafterCon
 def train_drafter(target: Target, data, drafter_cfg: DrafterConfig, params: dict, tc: TrainConfig, *,
                   out_dir=None, overwrite: bool = False, target_name: Optional[str] = None, progress: bool = True,
                   history: Optional[list] = None) -> dict:
-    """Train a DFlash drafter for the frozen `target` on a 1-D token stream; return float32 params.
+    """Train a drafter (any family of `TRAINABLE`) for the frozen `target` on a 1-D token stream; return
+    float32 params.
 
-    With `out_dir`: a z-lab DFlashDraftModel checkpoint (bfloat16) at `out_dir/checkpoint-STEP`
+    With `out_dir`: a checkpoint of the family's format (bfloat16) at `out_dir/checkpoint-STEP`
     every `tc.checkpoint_every` steps, the final one in `out_dir` itself, and
     `out_dir/train_log.json` (config, logged metrics, timings). Its config records the target
     (`checkpoints.trained_for_record`, named `target_name`, the target folder's name, when
@@ -411,7 +436,8 @@ def evaluate_target(cfg: TargetConfig, params: dict, data, *, seq_len: int, batc
 
 def evaluate_drafter(target: Target, data, cfg: DrafterConfig, params: dict, tc: TrainConfig,
                      n_batches: int) -> dict:
-    """Loss, acceptance-length estimate and per-slot agreement on `n_batches` seeded batches of `data`."""
+    """Loss, acceptance-length estimate, per-slot agreement and the family's other metrics (e.g. DFlash2's
+    `selector_masked`) on `n_batches` seeded batches of `data`."""
     check_drafter_for_target(target.config, cfg, params, tc)
     data = check_token_stream(data, target.config.vocab_size, tc.seq_len)
     dtype = jnp.dtype(tc.compute_dtype)
@@ -419,12 +445,9 @@ def evaluate_drafter(target: Target, data, cfg: DrafterConfig, params: dict, tc:
     next_batch = _drafter_batches(np.random.default_rng(tc.seed + 1), data, cfg, tc)
     target_params = cast(target.params, dtype)
     results = jax.device_get([fn(params, target_params, *next_batch()) for _ in range(n_batches)])
-    return {
-        "loss": float(np.mean([r[0] for r in results])),
-        "acc_len": float(np.mean([r[1]["acc_len"] for r in results])),
-        "slot_acc": np.mean([r[1]["slot_acc"] for r in results], axis=0).tolist(),
-        "blocks": n_batches * tc.batch_size * tc.anchors_per_seq,
-    }
+    means = {k: np.mean([r[1][k] for r in results], axis=0).tolist() for k in results[0][1]}
+    return {"loss": float(np.mean([r[0] for r in results])), **means,
+            "blocks": n_batches * tc.batch_size * tc.anchors_per_seq}
 
 
 def write_log(path, log: dict) -> None:
