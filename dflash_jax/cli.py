@@ -9,6 +9,7 @@ from typing import Mapping, Optional
 
 from dflash_jax import train
 from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor
+from dflash_jax.demo import DEMO_DRAFTERS
 from dflash_jax.io import checkpoints
 from dflash_jax.io.safetensors import read_config
 from dflash_jax.train.cli import REFUSALS, refuse
@@ -237,8 +238,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, help="drafter block size (default: the checkpoint's)")
     p.add_argument("--target", help="Hugging Face target directory (with tokenizer.json)")
-    p.add_argument("--drafter", help="drafter directory (DFlash or DSpark)")
-    p.add_argument("--demo-drafter", default="dflash", choices=["dflash", "dspark"],
+    p.add_argument("--drafter", help="drafter directory (DFlash, DSpark or DFlash2)")
+    p.add_argument("--demo-drafter", default="dflash", choices=list(DEMO_DRAFTERS),
                    help="which bundled drafter to use with the demo target (default dflash)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weight dtype (default: the checkpoint's)")
     p.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and whether outputs match")

@@ -1,4 +1,4 @@
-"""The bundled demo pair: a small trained Qwen3 target and its DFlash drafter.
+"""The bundled demo pair: a small trained Qwen3 target and its DFlash, DSpark and DFlash2 drafters.
 
 Both were trained on the Python standard library (recipe: `bench/demo_pair/`, model card:
 `dflash_jax/assets/demo/README.md`). They are the default models of `dflash-jax generate`.
@@ -23,12 +23,12 @@ class Demo:
     drafter: Drafter
 
 
-DEMO_DRAFTERS = {"dflash": "drafter", "dspark": "drafter_dspark"}
+DEMO_DRAFTERS = {"dflash": "drafter", "dspark": "drafter_dspark", "dflash2": "drafter_dflash2"}
 """The bundled drafters by family, and their folders."""
 
 
 def load_demo(dtype="float32", directory: str = DEMO_DIR, drafter: str = "dflash", **overrides) -> Demo:
-    """The demo tokenizer, target and drafter (`drafter`: "dflash" or "dspark"). Shipped in bf16, computed
+    """The demo tokenizer, target and drafter (`drafter`: one of `DEMO_DRAFTERS`). Shipped in bf16, computed
     in float32 by default: the models are tiny, and float32 keeps plain and speculative greedy decoding
     token-identical (in bf16 a 16-row verify and a 1-row step may round a near-tie differently).
     `overrides` go to the drafter census (e.g. `block_size=8`)."""

@@ -16,8 +16,9 @@ def test_demo_pair_is_bundled_within_its_size_budget():
     files = [os.path.join(d, f) for d, _, fs in os.walk(DEMO_DIR) for f in fs]
     weights = sum(os.path.getsize(f) for f in files if f.endswith(".safetensors"))
     assert weights <= 32e6, f"demo weights are {weights / 1e6:.1f} MB, over the 32 MB budget"
-    dspark = os.path.getsize(os.path.join(DEMO_DIR, "drafter_dspark", "model.safetensors"))
-    assert dspark <= 8e6, f"the DSpark demo drafter is {dspark / 1e6:.1f} MB, over its 8 MB budget"
+    for name, folder in (("DSpark", "drafter_dspark"), ("DFlash2", "drafter_dflash2")):
+        size = os.path.getsize(os.path.join(DEMO_DIR, folder, "model.safetensors"))
+        assert size <= 8e6, f"the {name} demo drafter is {size / 1e6:.1f} MB, over its 8 MB budget"
     assert os.path.isfile(os.path.join(DEMO_DIR, "README.md")), "the demo pair needs its model card"
 
 
@@ -51,6 +52,18 @@ def test_demo_dspark_drafter_is_lossless_and_beats_the_dflash_one_on_the_prompt(
     assert spec.tokens == dflash_jax.generate(demo.target, None, [ids], max_new_tokens=48).tokens
     assert demo.drafter.config.family == "dspark" and demo.drafter.config.verify_policy == "confidence-slot"
     assert spec.stats.acceptance_length > 3.5, "the DSpark drafter accepts 4.27 on this prompt when shipped"
+
+
+def test_demo_dflash2_drafter_is_lossless_greedy_and_samples_its_walk():
+    demo = dflash_jax.load_demo(drafter="dflash2")
+    assert demo.drafter.config.family == "dflash2" and demo.drafter.config.heads == ("conv", "selector")
+    ids = demo.tokenizer.encode(PROMPT)
+    spec = dflash_jax.generate(demo.target, demo.drafter, [ids], max_new_tokens=48)
+    assert spec.tokens == dflash_jax.generate(demo.target, None, [ids], max_new_tokens=48).tokens
+    assert spec.stats.acceptance_length > 2.5, "the DFlash2 drafter accepts 3.13 on this prompt when shipped"
+    sampled = dflash_jax.generate(demo.target, demo.drafter, [ids], max_new_tokens=48,
+                                  sampling=dflash_jax.Sampling(temperature=0.7, seed=3, proposal="sample"))
+    assert len(sampled.tokens[0]) == 48 and sampled.stats.accepted > 0, "the sampled walk gets drafts accepted"
 
 
 def test_demo_dspark_drafter_read_with_the_wrong_harvest_accepts_less():

@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     jax.config.update("jax_default_matmul_precision", "highest")  # exact float32 on GPU: greedy must match plain
     target = dflash_jax.load_target(args.target, "float32")
     tokenizer = load_tokenizer(args.target)
-    prompts = [tokenizer.encode(p["text"]).ids for p in json.load(open(args.prompts))["prompts"][: args.n]]
+    prompts = [tokenizer.encode(p["text"]) for p in json.load(open(args.prompts))["prompts"][: args.n]]
     stops = target.config.eos_token_ids
     plain = dflash_jax.generate(target, None, prompts, max_new_tokens=args.new, stop_tokens=stops).tokens
     results = []

@@ -29,7 +29,7 @@ from dflash_jax.demo import load_demo  # noqa: E402
 def evaluate(demo, prompts: list, new: int, block_size: int | None) -> dict:
     """Per-prompt greedy runs; returns means and the per-prompt records."""
     target, drafter = demo.target, demo.drafter
-    ids = [demo.tokenizer.encode(p["text"]).ids for p in prompts]
+    ids = [demo.tokenizer.encode(p["text"]) for p in prompts]
     stops = target.config.eos_token_ids
     for x in ids:  # an untimed pass compiles every program the timed pass uses (prompt lengths fall in buckets)
         dflash_jax.generate(target, None, [x], max_new_tokens=new)
