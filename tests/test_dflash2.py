@@ -128,6 +128,16 @@ def test_codebooks_of_another_vocabulary_than_the_config_or_target_are_refused()
         check_fits_target(cfg, target)
 
 
+def test_more_candidates_than_the_vocabulary_are_refused():
+    d = json.loads((FIXTURES / "dflash2-config.json").read_text())
+    d["dflash_config"]["selector_top_k"] = 202049
+    with pytest.raises(CheckpointError, match=r"selector_top_k 202049 exceeds the vocabulary \(202048\)"):
+        dflash_jax.config.drafter_census(d, env=NO_ENV)
+    with pytest.raises(CheckpointError, match=r"selector_top_k 300000 exceeds.*keyword override selector_top_k"):
+        dflash_jax.config.drafter_census(json.loads((FIXTURES / "dflash2-config.json").read_text()), env=NO_ENV,
+                                         selector_top_k=300000)
+
+
 def test_a_selector_needs_a_vocabulary():
     d = json.loads((FIXTURES / "dflash2-config.json").read_text())
     del d["vocab_size"]

@@ -312,6 +312,9 @@ def _validate_drafter(cfg: DrafterConfig) -> None:
         raise CheckpointError(f"DFlash2 requires the default rope; got rope type {cfg.rope.rope_type!r}")
     if cfg.markov_rank is not None or cfg.confidence_in_dim is not None:
         raise CheckpointError("DFlash2 checkpoint carries markov/confidence heads: no such DFlash2 variant exists")
+    if cfg.selector_top_k > cfg.vocab_size:
+        raise CheckpointError(f"selector_top_k {cfg.selector_top_k} exceeds the vocabulary ({cfg.vocab_size}): the "
+                              "selector ranks that many candidates per slot")
 
 
 def _dspark_settings(family: str, sizes: Mapping, given: Mapping, env: Optional[Mapping]) -> tuple:
