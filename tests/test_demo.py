@@ -92,3 +92,22 @@ def test_cli_generate_streams_the_demo_and_reports(capsys):
 def test_cli_generate_refuses_half_a_pair(capsys):
     assert cli.main(["generate", "--prompt", "x", "--target", DEMO_DIR]) == 2
     assert "give both --target and --drafter" in capsys.readouterr().err
+
+
+def test_compare_drafters_runs_on_the_bundled_dflash2_drafter(tmp_path):
+    """The script that measured the model card's acceptance table (one prompt, a few tokens: it must run)."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench", "demo_pair"))
+    import compare_drafters
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"text": PROMPT}]}))
+    payload = compare_drafters.main(["--target", os.path.join(DEMO_DIR, "target"), "--prompts", str(prompts),
+                                     "--n", "1", "--new", "8", "--out", str(tmp_path / "out.json"),
+                                     "--drafters", os.path.join(DEMO_DIR, "drafter_dflash2")])
+    cells = {c["setting"]: c for c in payload["cells"]}
+    assert set(cells) == {"T=0", "T=0.7 argmax proposals", "T=0.7 sampled walk"}
+    assert cells["T=0"]["identical_to_plain"] and cells["T=0"]["acceptance_length"] > 1.0
+    assert json.loads((tmp_path / "out.json").read_text())["cells"] == payload["cells"]

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 
 import common  # noqa: E402
 import dflash_jax  # noqa: E402
-from dflash_jax.demo import load_tokenizer  # noqa: E402
+from dflash_jax import load_tokenizer  # noqa: E402
 
 
 def settings(family: str, extras: bool = True) -> list:
