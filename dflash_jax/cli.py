@@ -5,10 +5,11 @@ import argparse
 import math
 import os
 import sys
+import time
 from typing import Mapping, Optional
 
 from dflash_jax import train
-from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor
+from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor, policy
 from dflash_jax.io import checkpoints
 from dflash_jax.io.safetensors import read_config
 from dflash_jax.train.cli import REFUSALS, refuse
@@ -129,6 +130,7 @@ def _stream(session, tokenizer, out) -> list:
             out.flush()
             shown = text
     out.write(tokenizer.decode(tokens)[len(shown):] + "\n")
+    out.flush()
     return tokens
 
 
@@ -168,16 +170,11 @@ def _stop_tokens(target, target_dir: str) -> tuple:
     return target.config.eos_token_ids
 
 
-def cmd_generate(args) -> int:
-    """Speculative generation from a prompt, streamed; the bundled demo pair by default."""
+def _load_pair(args) -> tuple:
+    """(tokenizer, target, drafter, stop tokens) of `--target/--drafter`, or the bundled demo pair."""
     import dflash_jax
     from dflash_jax.demo import DEMO_DIR, load_demo, load_tokenizer
 
-    if (args.target is None) != (args.drafter is None):
-        print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
-        return 2
-    text = _prompt_text(args)
-    sampling = _sampling(args)
     overrides = {"block_size": args.block_size} if args.block_size is not None else {}
     if args.target is None:
         demo = load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
@@ -186,40 +183,80 @@ def cmd_generate(args) -> int:
         target = dflash_jax.load_target(args.target, args.dtype)
         tokenizer = load_tokenizer(args.target)
         drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, **overrides)
-    stops = _stop_tokens(target, args.target or os.path.join(DEMO_DIR, "target"))
+    return tokenizer, target, drafter, _stop_tokens(target, args.target or os.path.join(DEMO_DIR, "target"))
+
+
+def compile_run(what: str, run) -> float:
+    """Call `run` (which compiles the programs of a run), with a `compiling…` notice on stderr that ends
+    with the time it took: what a user waits for before the first token. Returns that time."""
+    from dflash_jax import compilation
+
+    print(f"compiling {what}…", end=" ", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with compilation.watch() as compiled:
+        run()
+    seconds = time.perf_counter() - t0
+    print(f"done in {seconds:.2f} s ({compiled.describe()})", file=sys.stderr, flush=True)
+    return seconds
+
+
+def timing_line(label: str, stats, before: str = "") -> str:
+    """Prefill and decode times apart, and tokens/s over both: runs timed after their compilation."""
+    return (f"[{label}] {before}prefill {stats.prefill_time_s * 1e3:.0f} ms, decode {stats.decode_time_s * 1e3:.0f} "
+            f"ms: {stats.tokens_per_s:.1f} tokens/s ({stats.generated} tokens over prefill + decode, "
+            "compilation excluded)")
+
+
+def cmd_generate(args) -> int:
+    """Speculative generation from a prompt, streamed; the bundled demo pair by default. The programs are
+    compiled first (one token's run of the same shapes), so the streamed run's times hold no compilation."""
+    import dflash_jax
+
+    if (args.target is None) != (args.drafter is None):
+        print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
+        return 2
+    text = _prompt_text(args)
+    sampling = _sampling(args)
+    t0 = time.perf_counter()
+    tokenizer, target, drafter, stops = _load_pair(args)
+    load_s = time.perf_counter() - t0
     ids = tokenizer.encode(text).ids
-    session = dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                                 sampling=sampling)
+
+    def session():
+        return dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
+                                  sampling=sampling)
+
+    compile_s = compile_run("speculative decoding", lambda: session().burst(1))
+    run = session()
     sys.stdout.write(text)
-    tokens = _stream(session, tokenizer, sys.stdout)
-    st = session.stats
-    print(f"[speculative] {len(tokens)} tokens, acceptance length {st.acceptance_length:.2f}, "
-          f"{st.tokens_per_s:.1f} tokens/s with prefill, {st.rounds} rounds (block size "
-          f"{drafter.config.block_size}; this first run includes compilation)", file=sys.stderr)
+    tokens = _stream(run, tokenizer, sys.stdout)
+    st = run.stats
+    print(f"[speculative] {len(tokens)} tokens in {st.rounds} rounds, acceptance length {st.acceptance_length:.2f} "
+          f"(block size {drafter.config.block_size})", file=sys.stderr)
+    print(timing_line("speculative", st, f"load {load_s:.2f} s, compile {compile_s:.2f} s, "), file=sys.stderr)
     if args.compare:
         return _compare(target, drafter, ids, args.max_new_tokens, stops, sampling)
     return 0
 
 
 def _compare(target, drafter, ids, max_new_tokens: int, stops, sampling) -> int:
-    """Plain against speculative decoding, like with like: both compiled before they are timed,
-    both timed the same way (`Stats.wall_time_s`: prefill plus decoding, `generate` end to end)."""
+    """Plain against speculative decoding, like with like: both compiled before they are timed, both timed
+    the same way (`generate` end to end: prefill and decode, `Stats.wall_time_s`)."""
     import dflash_jax
 
     def run(d):
         return dflash_jax.generate(target, d, [ids], max_new_tokens=max_new_tokens, stop_tokens=stops,
                                    sampling=sampling)
 
-    run(None)  # compile plain decoding; the streamed run above compiled the speculative programs
+    compile_run("plain decoding", lambda: run(None))
     plain, spec = run(None), run(drafter)
     same = plain.tokens[0] == spec.tokens[0]
     verdict = "identical" if same else ("differ (expected when sampling: same distribution, other draws)"
                                         if not sampling.greedy else "DIFFER")
-    ps, ss = plain.stats, spec.stats
-    print(f"[compare] plain {ps.tokens_per_s:.1f} tokens/s ({ps.generated} in {ps.wall_time_s * 1e3:.0f} ms, "
-          f"prefill {ps.prefill_time_s * 1e3:.0f} ms), speculative {ss.tokens_per_s:.1f} tokens/s "
-          f"({ss.generated} in {ss.wall_time_s * 1e3:.0f} ms, prefill {ss.prefill_time_s * 1e3:.0f} ms), "
-          f"speedup {ss.tokens_per_s / ps.tokens_per_s:.2f}x; outputs {verdict}",
+    speedup = spec.stats.tokens_per_s / plain.stats.tokens_per_s
+    print(timing_line("compare: plain", plain.stats), file=sys.stderr)
+    print(timing_line("compare: speculative", spec.stats), file=sys.stderr)
+    print(f"[compare] speedup {speedup:.2f}x (both compiled beforehand, timed the same way); outputs {verdict}",
           file=sys.stderr)
     return 1 if sampling.greedy and not same else 0
 
@@ -239,7 +276,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--demo-drafter", default="dflash", choices=["dflash", "dspark"],
                    help="which bundled drafter to use with the demo target (default dflash)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weight dtype (default: the checkpoint's)")
-    p.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and whether outputs match")
+    p.add_argument("--compare", action="store_true",
+                   help="then time plain and speculative decoding the same way: speedup and whether outputs match")
     p.set_defaults(func=cmd_generate)
 
 
@@ -258,9 +296,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_generate(sub)
     train.add_cli(sub)
-    for p in sub.choices.values():
+    for name, p in sub.choices.items():
         p.add_argument("--debug", action="store_true", help="on a refusal, raise it with its traceback")
+        if name in COMPILING:
+            p.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const=False,
+                           help="do not use JAX's persistent compilation cache (also DFLASH_COMPILE_CACHE=0)")
     return parser
+
+
+COMPILING = ("generate", "bench", "train-drafter")
+"""The subcommands that compile, and so use the persistent compilation cache (`config.policy.compile_cache_dir`)."""
+
+
+def use_compile_cache(flag) -> None:
+    """Turn on JAX's persistent compilation cache in the folder the policy names, unless it is off."""
+    from dflash_jax import compilation
+
+    directory = policy.compile_cache_dir(flag)
+    if directory is None:
+        return
+    try:
+        compilation.enable_persistent_cache(directory)
+    except OSError as e:
+        raise OSError(f"cannot use {directory} as the compilation cache folder ({e.strerror or e}); "
+                      "pass --no-compile-cache or set DFLASH_COMPILE_CACHE=0") from None
 
 
 def main(argv=None) -> int:
@@ -268,6 +327,8 @@ def main(argv=None) -> int:
     non-zero status (1; 130 for an interrupt), never a traceback unless `--debug`."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command in COMPILING:
+            use_compile_cache(args.compile_cache)
         return args.func(args)
     except REFUSALS as e:
         return refuse(e, args.debug)
