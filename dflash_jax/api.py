@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import hub
 from dflash_jax import sampling as smp
 from dflash_jax.config import check_fits_target, policy
 from dflash_jax.decoding import speculative as spec
@@ -20,21 +22,38 @@ from dflash_jax.io import checkpoints
 from dflash_jax.targets.base import Target
 
 
-def load_target(path, dtype=None, *, check_finite: bool = True) -> Target:
-    """A Hugging Face Qwen3/Llama directory as a `Target`; `dtype=None` keeps the checkpoint's.
+_FOLDERS: dict = {}
+"""id(target) -> the folder `load_target` read it from, while that target lives: its tokenizer's folder."""
+
+
+def source_folder(target: Target) -> Optional[str]:
+    """The folder `load_target` read `target` from (a hub id's snapshot folder), or None for a target made
+    otherwise (a copy made by `replace` or a tree map included)."""
+    return _FOLDERS.get(id(target))
+
+
+def load_target(path, dtype=None, *, check_finite: bool = True, revision: Optional[str] = None) -> Target:
+    """A Hugging Face Qwen3/Llama folder or repo id ("Qwen/Qwen3-8B", at `revision`, through the local
+    Hugging Face cache: see `hub.resolve`) as a `Target`; `dtype=None` keeps the checkpoint's.
 
     `check_finite=False` skips refusing weights that hold NaN or Inf (one pass over each tensor)."""
-    return checkpoints.read_target(path, dtype, check_finite)
+    folder = hub.resolve(path, revision=revision, what="target")
+    target = checkpoints.read_target(folder, dtype, check_finite)
+    _FOLDERS[id(target)] = folder
+    weakref.finalize(target, _FOLDERS.pop, id(target), None)
+    return target
 
 
 def load_drafter(path, target: Target | None = None, dtype=None, *, check_finite: bool = True,
-                 **overrides) -> Drafter:
-    """A drafter directory (z-lab `DFlashDraftModel`) as a `Drafter`, checked against `target` when given.
+                 revision: Optional[str] = None, **overrides) -> Drafter:
+    """A drafter folder or repo id (z-lab `DFlashDraftModel`, `DSparkDraftModel`; ids as for
+    `load_target`) as a `Drafter`, checked against `target` when given.
 
     With a target the drafter computes in the target's dtype: `dtype=None` casts it, another dtype is
     refused naming both. `check_finite` as for `load_target`. `overrides` set census fields by name
     (e.g. `block_size=8`, `harvest="dflash"`)."""
-    return checkpoints.read_drafter(path, target.config if target is not None else None, dtype,
+    folder = hub.resolve(path, revision=revision, what="drafter")
+    return checkpoints.read_drafter(folder, target.config if target is not None else None, dtype,
                                     check_finite=check_finite, **overrides)
 
 

@@ -220,7 +220,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     tokenizer, target, drafter, stops = _load_pair(args)
     load_s = time.perf_counter() - t0
-    ids = tokenizer.encode(text).ids
+    ids = tokenizer.encode(text)
 
     def session():
         return dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,

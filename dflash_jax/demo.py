@@ -8,28 +8,19 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import tokenizers
-
 from dflash_jax.api import load_drafter, load_target
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.targets.base import Target
+from dflash_jax.text import Tokenizer, load_tokenizer
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo")
 
 
 @dataclasses.dataclass
 class Demo:
-    tokenizer: tokenizers.Tokenizer
+    tokenizer: Tokenizer
     target: Target
     drafter: Drafter
-
-
-def load_tokenizer(path) -> tokenizers.Tokenizer:
-    """`tokenizer.json` of a checkpoint directory; ValueError naming the path when absent."""
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"no tokenizer.json in {path}: pass token ids, or a directory that has one")
-    return tokenizers.Tokenizer.from_file(file)
 
 
 DEMO_DRAFTERS = {"dflash": "drafter", "dspark": "drafter_dspark"}

@@ -23,7 +23,7 @@ def test_demo_pair_is_bundled_within_its_size_budget():
 
 def test_transformers_greedy_continuation_of_the_shipped_target_equals_ours():
     demo = dflash_jax.load_demo()
-    ids = demo.tokenizer.encode(PROMPT).ids
+    ids = demo.tokenizer.encode(PROMPT)
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(DEMO_DIR, "target"),
                                                               dtype=torch.float32).eval()
     with torch.no_grad():
@@ -37,7 +37,7 @@ def test_transformers_greedy_continuation_of_the_shipped_target_equals_ours():
 
 def test_demo_drafter_is_lossless_and_accepts_drafts():
     demo = dflash_jax.load_demo()
-    ids = demo.tokenizer.encode(PROMPT).ids
+    ids = demo.tokenizer.encode(PROMPT)
     spec = dflash_jax.generate(demo.target, demo.drafter, [ids], max_new_tokens=48)
     plain = dflash_jax.generate(demo.target, None, [ids], max_new_tokens=48)
     assert spec.tokens == plain.tokens
@@ -46,7 +46,7 @@ def test_demo_drafter_is_lossless_and_accepts_drafts():
 
 def test_demo_dspark_drafter_is_lossless_and_beats_the_dflash_one_on_the_prompt():
     demo = dflash_jax.load_demo(drafter="dspark")
-    ids = demo.tokenizer.encode(PROMPT).ids
+    ids = demo.tokenizer.encode(PROMPT)
     spec = dflash_jax.generate(demo.target, demo.drafter, [ids], max_new_tokens=48)
     assert spec.tokens == dflash_jax.generate(demo.target, None, [ids], max_new_tokens=48).tokens
     assert demo.drafter.config.family == "dspark" and demo.drafter.config.verify_policy == "confidence-slot"
@@ -59,7 +59,7 @@ def test_demo_dspark_drafter_read_with_the_wrong_harvest_accepts_less():
     plain backbone (Markov off) shows the collapse: 1.81 tokens a round the right way, 1.27 the wrong way."""
     def acceptance(**overrides):
         demo = dflash_jax.load_demo(drafter="dspark", **overrides)
-        ids = demo.tokenizer.encode(PROMPT).ids
+        ids = demo.tokenizer.encode(PROMPT)
         return dflash_jax.generate(demo.target, demo.drafter, [ids], max_new_tokens=48).stats.acceptance_length
 
     right, wrong = acceptance(), acceptance(harvest="dflash")
