@@ -161,6 +161,14 @@ def _stop_tokens(target, tokenizer) -> tuple:
     return tuple(dict.fromkeys((*target.config.eos_token_ids, *tokenizer.stop_tokens)))
 
 
+def _half_pair(args) -> bool:
+    """Whether only one of `--target` and `--drafter` was given, which is refused here (on stderr)."""
+    if (args.target is None) == (args.drafter is None):
+        return False
+    print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
+    return True
+
+
 def _load_pair(args) -> tuple:
     """(tokenizer, target, drafter, stop tokens) of `--target/--drafter` (folders or Hugging Face repo ids; the
     tokenizer is the target's), or the bundled demo pair."""
@@ -178,7 +186,7 @@ def _load_pair(args) -> tuple:
     return tokenizer, target, drafter, _stop_tokens(target, tokenizer)
 
 
-def prompt_ids(tokenizer, text: str, chat: bool) -> list:
+def _prompt_ids(tokenizer, text: str, chat: bool) -> list:
     """The ids of a prompt: its text as it is, or with `chat` one user message through the chat template."""
     return tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
 
@@ -209,15 +217,14 @@ def cmd_generate(args) -> int:
     are compiled first (a one-token run of the same shapes), so the streamed run's times hold no compilation."""
     import dflash_jax
 
-    if (args.target is None) != (args.drafter is None):
-        print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
+    if _half_pair(args):
         return 2
     text = _prompt_text(args)
     sampling = _sampling(args)
     t0 = time.perf_counter()
     tokenizer, target, drafter, stops = _load_pair(args)
     load_s = time.perf_counter() - t0
-    ids = prompt_ids(tokenizer, text, args.chat)
+    ids = _prompt_ids(tokenizer, text, args.chat)
     compile_s = compile_run("speculative decoding", lambda: dflash_jax.Session(
         target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling).burst(1))
     chunks = dflash_jax.stream(target, drafter, text, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
@@ -292,8 +299,7 @@ def cmd_bench(args) -> int:
     written as JSON."""
     from dflash_jax import benchmark
 
-    if (args.target is None) != (args.drafter is None):
-        print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
+    if _half_pair(args):
         return 2
     rows = benchmark.load_rows(args.dataset, args.max_samples)
     sampling = _sampling(args)
