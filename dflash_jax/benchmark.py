@@ -176,6 +176,7 @@ def run_bench(target, drafter, tokenizer, rows: list, *, dataset: str, chat: boo
     """Every row plain and speculative; the report `{"settings", "summary", "prompts"}` (JSON-ready)."""
     records, compile_s = [], 0.0
     with tqdm(rows, desc="bench", unit="prompt", disable=not progress, file=sys.stderr) as bar:
+        bar.set_postfix_str("compiling…")
         for row in bar:
             ids = prompt_ids(tokenizer, row, dataset, chat)
             record, tokens, seconds = bench_prompt(target, drafter, ids, max_new_tokens=max_new_tokens,

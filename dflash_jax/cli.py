@@ -310,6 +310,8 @@ def cmd_bench(args) -> int:
                                  max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling,
                                  settings=settings)
     print("\n".join(benchmark.summary_lines(report["summary"])))
+    print(f"compiling took {report['settings']['compile_s_excluded']:.1f} s in all, left out of every time above",
+          file=sys.stderr)
     if args.out:
         benchmark.write_report(args.out, report)
         print(f"wrote {args.out}", file=sys.stderr)

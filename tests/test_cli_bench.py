@@ -1,6 +1,7 @@
 """Issue 19, item 3: `dflash-jax bench`, plain against speculative decoding over a prompt set after z-lab's
 benchmark protocol: prompts from a JSONL file or HumanEval, runs timed after compiling, JSON out."""
 import json
+import re
 import sys
 
 import jax
@@ -21,8 +22,10 @@ def test_bench_runs_a_jsonl_file_and_writes_the_report(tmp_path, capsys):
                                                  '{"prompt": "import os\\n"}'])
     out = tmp_path / "reports" / "bench.json"
     assert cli.main(["bench", "--dataset", prompts, "--max-new-tokens", "8", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out.splitlines()
+    out_text, err = capsys.readouterr()
+    printed = out_text.splitlines()
     assert printed[0] == "Prompts: 2" and printed[-1] == "Outputs: all identical"
+    assert re.search(r"compiling took [0-9.]+ s in all, left out of every time above\n", err), err
     assert any(line.startswith("Decoding speedup: ") for line in printed)
     report = json.loads(out.read_text())
     rows, summary = report["prompts"], report["summary"]
