@@ -57,6 +57,17 @@ def load_drafter(path, target: Target | None = None, dtype=None, *, check_finite
                                     check_finite=check_finite, **overrides)
 
 
+def check_dtypes(target: Target, drafter: Drafter) -> None:
+    """Refuse a drafter whose weights are not in its target's dtype (it computes on the target's hidden
+    states, so both share one), naming both and the fix."""
+    held = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(drafter.params) if jnp.issubdtype(leaf.dtype,
+                                                                                                 jnp.floating)})
+    if held != [target.config.dtype]:
+        raise ValueError(f"the drafter's weights are {', '.join(held)} and the target computes in "
+                         f"{target.config.dtype}: a drafter computes in its target's dtype. Load it with its target, "
+                         "load_drafter(path, target), which casts it")
+
+
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),
              sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
              capacity: Optional[int] = None, impl: Optional[str] = None, verify_t: Optional[int] = None,
@@ -80,6 +91,7 @@ def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tok
                              "has none")
         return plain_generate(target, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                               sampling=sampling, capacity=capacity, impl=impl, lengths=lengths)
+    check_dtypes(target, drafter)
     return Session(target, drafter, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                    sampling=sampling, capacity=capacity, impl=impl, verify_t=verify_t,
                    verify_buckets=verify_buckets, lengths=lengths).run()
@@ -106,6 +118,7 @@ def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = Non
     """Prefill `prompts` (as `generate` reads them, `lengths` included), take the target's next
     token as anchor, and draft one block (greedy)."""
     check_fits_target(drafter.config, target.config)
+    check_dtypes(target, drafter)
     impl = policy.attention_impl(impl)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.n_drafts + 1, None)

@@ -6,8 +6,8 @@ and `add_bos_token` in the config does not), `tokenizer_config.json` (special an
 template), `chat_template.jinja` when present, and the stop tokens of `generation_config.json` (else
 `config.json`). Chat templates are rendered as transformers renders them: jinja2's immutable
 sandbox, `trim_blocks`/`lstrip_blocks`, `raise_exception`, `tojson`, `strftime_now`, and the special
-tokens in the context. Only those fixed file names in the folder are read; a template cannot include
-files (its environment has no loader) nor reach Python internals (the sandbox).
+tokens in the context. Only those fixed file names in the folder are read; a template that includes,
+imports or extends other files is refused, and the sandbox keeps Python internals out of its reach.
 
 `generate_text` and `stream` wrap `generate` and `Session`: prompts are strings or chat message lists,
 output is text without the prompt, and the stop tokens are the tokenizer's unless given.
@@ -47,16 +47,16 @@ class Tokenizer:
     `encode(text)` / `decode(ids)` convert text and token ids; `apply_chat_template(messages)` renders a
     conversation. `stop_tokens` are the ids that end generation (the generation config's `eos_token_id`s
     and the tokenizer's EOS), `eos_ids` the tokenizer's own EOS, `special_tokens` the named special
-    tokens (name -> text), `chat_template` the template source or None. `backend` is the
+    tokens (name -> text, or None when unset), `chat_template` the template source or None. `backend` is the
     `tokenizers.Tokenizer` underneath, `folder` where it was read from."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Mapping[str, str] = {},
+    def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Optional[Mapping[str, str]] = None,
                  chat_template: Optional[str] = None, stop_tokens: tuple = (), folder: Optional[str] = None):
         self.backend = backend
-        self.special_tokens = dict(special_tokens)
+        self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self.folder = folder
-        eos = special_tokens.get("eos_token")
+        eos = self.special_tokens.get("eos_token")
         self.eos_ids = () if eos is None else (backend.token_to_id(eos),)
         self.stop_tokens = tuple(dict.fromkeys((*stop_tokens, *self.eos_ids)))
 
@@ -129,8 +129,8 @@ def _plain(value, where: str):
     if isinstance(value, (list, tuple)):
         items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if isinstance(value, tuple) else items
-    raise ValueError(f"{where} holds a {type(value).__name__} ({value!r:.40}); a chat template takes plain data: "
-                     "strings, numbers, bools, None, lists and dicts")
+    raise ValueError(f"{where} is {value!r:.40} ({type(value).__name__}): a chat template takes plain data "
+                     "(strings, numbers, bools, None, lists and dicts)")
 
 
 class _Generation(jinja2.ext.Extension):
@@ -184,6 +184,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 @functools.lru_cache(maxsize=16)
 def _compile(source: str, folder: Optional[str]) -> jinja2.Template:
+    """A chat template compiled in the environment transformers renders them in (`folder` names it in errors)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
@@ -298,7 +299,7 @@ def _stop_tokens(folder: str) -> tuple:
         if os.path.isfile(file) and (ids := _json(file).get("eos_token_id")) is not None:
             ids = [ids] if isinstance(ids, numbers.Integral) and not isinstance(ids, bool) else ids
             try:
-                return tuple(integers("eos_token_id", ids, 0, 2**31, "token id", "non-negative ids").tolist())
+                return tuple(integers("eos_token_id", ids, 0, 2**31, "token id", "[0, 2**31)").tolist())
             except ValueError as e:
                 raise CheckpointError(f"{file}: {e}") from None
     return ()
@@ -367,6 +368,7 @@ def stream(target, drafter, prompt, *, tokenizer: Optional[Tokenizer] = None, ma
     ids = _prompt_ids(tok, prompt, chat, chat_template_kwargs)
     n = drafter.config.block_size if burst is None else integer("burst", burst, 1, "a positive integer or None")
     stops = _default_stops(tok, target) if stop_tokens is None else stop_tokens
+    api.check_dtypes(target, drafter)
     session = Session(target, drafter, ids, max_new_tokens=max_new_tokens, stop_tokens=stops, sampling=sampling,
                       **session_kwargs)
     return _chunks(session, n, tok, _stop_set(stops))

@@ -1,9 +1,13 @@
 """The text layer (dflash_jax/text.py): tokenizers and chat templates as transformers reads and renders
 them, generation from strings, and streaming text that joins to exactly the output's text."""
+import dataclasses
 import json
 import os
+import re
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
@@ -123,11 +127,10 @@ def test_tokenizer_json_decides_the_bos_and_add_bos_token_does_not_as_in_transfo
     """transformers 5 ignores `add_bos_token` when tokenizer.json exists: its post-processor adds what it adds."""
     folder = _copy_tokenizer(tmp_path, {"bos_token": "<|endoftext|>", "add_bos_token": False})
     spec = json.load(open(tmp_path / "tokenizer.json"))
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|endoftext|>",
-                              "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
-                                                                   "tokens": ["<|endoftext|>"]}}}
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    seq = [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}]
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, seq[0]], "pair": seq, "special_tokens": {
+        "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
     json.dump(spec, open(tmp_path / "tokenizer.json", "w"))
     ours, ref = dflash_jax.load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
     assert ours.encode("x = 1") == ref("x = 1")["input_ids"] and ours.encode("x = 1")[0] == 0
@@ -147,7 +150,7 @@ def test_chat_refusals_name_the_problem(chat_dir):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match="No user query"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
-    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\] holds a object"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\] is <object .*\(object\): a chat template takes"):
         tok.apply_chat_template([{"role": "user", "content": object()}])
     for bad in ([], "hello", [["user", "hi"]]):
         with pytest.raises(ValueError, match="non-empty list of message dicts"):
@@ -283,9 +286,7 @@ def test_generate_text_renders_chats_and_stops_at_the_tokenizers_stop_tokens(pai
         out = dflash_jax.generate_text(target, drafter, prompts, tokenizer=tok, max_new_tokens=12, chat=True,
                                        chat_template_kwargs={"enable_thinking": False})
         assert out.tokens == ref.tokens
-    one = dflash_jax.generate_text(target, drafter, CHATS[0], tokenizer=tok, max_new_tokens=12,
-                                   chat_template_kwargs={"enable_thinking": False})
-    assert one.tokens == ref.tokens[:1]
+    assert text._prompt_ids(tok, CHATS[0], False, {"enable_thinking": False}) == rendered[:1], "one chat, one prompt"
 
 
 @pytest.mark.parametrize("prompts, error", [
@@ -309,6 +310,20 @@ def test_a_stop_token_the_target_cannot_generate_is_refused_naming_the_tokenizer
         with pytest.raises(CheckpointError, match=f"stop token 5000 of the tokenizer in {folder} .* outside the "
                                                   r"target's vocabulary \[0, 4098\)"):
             run(target, drafter, "x", tokenizer=tok, max_new_tokens=4)
+
+
+def test_a_drafter_in_another_dtype_than_its_target_is_refused_naming_the_fix(pair):
+    target, drafter = pair
+    tok = dflash_jax.load_tokenizer(DEMO_TARGET)
+    bf16 = drafter.replace(params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), drafter.params))
+    calls = (lambda: dflash_jax.generate(target, bf16, [[1, 2]], max_new_tokens=4),
+             lambda: dflash_jax.propose(target, bf16, [[1, 2]]),
+             lambda: dflash_jax.generate_text(target, bf16, "x", tokenizer=tok, max_new_tokens=4),
+             lambda: dflash_jax.stream(target, bf16, "x", tokenizer=tok, max_new_tokens=4))
+    for call in calls:
+        with pytest.raises(ValueError, match=r"drafter's weights are bfloat16 and the target computes in float32: .*"
+                                             r"load_drafter\(path, target\)"):
+            call()
 
 
 def test_text_calls_need_a_tokenizer_when_the_target_has_no_folder(pair):
@@ -351,5 +366,31 @@ def test_template_context_is_plain_data(chat_dir):
     tok = dflash_jax.load_tokenizer(chat_dir)
     chat = [{"role": "user", "content": np.str_("numpy text"), "n": np.int64(3)}]
     assert tok.apply_chat_template(chat) == tok.apply_chat_template([{"role": "user", "content": "numpy text"}])
-    with pytest.raises(ValueError, match="holds a function"):
+    with pytest.raises(ValueError, match=r"chat template keywords\['tools'\]\[0\] is <function .*\(function\)"):
         tok.apply_chat_template(CHATS[0], tools=[lambda: 0])
+
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+
+
+def _readme_section(title: str) -> str:
+    text = open(README, encoding="utf-8").read()
+    start = text.index(f"\n{title}\n")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_the_readme_api_example_runs_as_written(capsys):
+    """The first python block of "Using the library", executed as a user would paste it."""
+    block = re.search(r"```python\n(.*?)```", _readme_section("## Using the library"), re.S).group(1)
+    assert "generate_text" in block and "tokenizer.encode" in block and "tokenizer.decode" in block
+    exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})
+    printed = capsys.readouterr().out
+    assert printed.startswith("import os\n\n\ndef read_lines(path):\n    ") and "tokens per round" in printed
+
+
+def test_the_readme_documents_every_stats_field():
+    section = _readme_section("## Using the library")
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    fields = {f.name for f in dataclasses.fields(dflash_jax.Stats)} | {
+        name for name, value in vars(dflash_jax.Stats).items() if isinstance(value, property)}
+    assert fields == documented, f"undocumented: {fields - documented}; not fields: {documented - fields}"
