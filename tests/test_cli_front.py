@@ -199,3 +199,18 @@ def test_chat_with_a_tokenizer_that_has_no_template_is_refused(capsys):
     assert cli.main(["generate", "--prompt", "x", "--chat", "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("refused: the tokenizer of ") and "has no chat template" in err and err.count("\n") == 1
+
+
+def test_training_shows_a_progress_bar_that_says_it_compiles_then_reports_its_figures(capsys):
+    from conftest import tiny_drafter, tiny_target
+    from dflash_jax import train
+
+    target = tiny_target(seed=5)
+    drafter = tiny_drafter(target, 4)
+    tc = train.TrainConfig(steps=3, warmup_steps=1, seq_len=16, anchors_per_seq=4, batch_size=2, log_every=1,
+                           compute_dtype="float32")
+    train.train_drafter(target, np.arange(400) % 60, drafter.config, drafter.params, tc)
+    err = capsys.readouterr().err
+    assert "drafter:   0%" in err and "compiling…" in err, "the bar starts by saying the first step compiles"
+    assert re.search(r"1/3 .*compiled \+ 1 step in [0-9.]+s", err), err
+    assert re.search(r"3/3 .*loss [0-9.]+ \| acc-len [0-9.]+ \| [0-9.]+k tok/s", err), err

@@ -233,6 +233,7 @@ def _fit(loss_fn: Callable, params, frozen, tc: TrainConfig, next_batch: Callabl
     history = [] if history is None else history
     pending, t0, t_first = [], time.perf_counter(), None
     with tqdm(total=tc.steps, desc=label, unit="step", disable=not progress, file=sys.stderr) as bar:
+        bar.set_postfix_str("compiling…")
         for i in range(1, tc.steps + 1):
             params, opt_state, metrics = step(params, opt_state, frozen, np.int32(i - 1), *next_batch())
             pending.append(metrics)
