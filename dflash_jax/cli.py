@@ -341,6 +341,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+COMPILING = ("generate", "bench", "train-drafter")
+"""The subcommands that compile, and so use the persistent compilation cache (`config.policy.compile_cache_dir`)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dflash-jax", description="Lossless block-diffusion speculative decoding (DFlash) in JAX. "
@@ -356,10 +360,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const=False,
                            help="do not use JAX's persistent compilation cache (also DFLASH_COMPILE_CACHE=0)")
     return parser
-
-
-COMPILING = ("generate", "bench", "train-drafter")
-"""The subcommands that compile, and so use the persistent compilation cache (`config.policy.compile_cache_dir`)."""
 
 
 def use_compile_cache(flag) -> None:
