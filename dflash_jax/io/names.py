@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +68,15 @@ def hf_shapes(names: Sequence[Param], shapes) -> dict:
 
 
 def load_params(names: Sequence[Param], get: Callable) -> dict:
-    """Our pytree from `get(hf name) -> np.ndarray`, one leaf at a time, each moved to the device."""
+    """Our pytree from `get(hf name) -> np.ndarray`, one leaf at a time, each moved to the device. A load
+    that takes over a second shows a progress bar on a terminal's stderr."""
     params: dict = {}
-    for p in names:
-        arrays = [get(n).T if p.transpose else get(n) for n in p.hf]
-        _set(params, p.path, jnp.asarray(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-1)))
+    with tqdm(total=sum(len(p.hf) for p in names), desc="loading weights", unit="tensor", delay=1.0, leave=False,
+              disable=None) as bar:
+        for p in names:
+            arrays = [get(n).T if p.transpose else get(n) for n in p.hf]
+            _set(params, p.path, jnp.asarray(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-1)))
+            bar.update(len(p.hf))
     return params
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from dflash_jax.config import (
     FAMILY_NAMES,
@@ -229,43 +230,19 @@ def _make_step(loss_fn: Callable, optimizer, schedule) -> Callable:
     return jax.jit(step, donate_argnums=donate)
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-class _Progress:
-    """One status line on stderr, rewritten in place on a terminal, one line per update otherwise."""
-
-    def __init__(self, label: str, enabled: bool):
-        self.label, self.enabled = label, enabled
-        self.inplace = enabled and sys.stderr.isatty()
-        self.width = 0
-
-    def update(self, rec: dict, steps: int) -> None:
-        if not self.enabled:
-            return
-        parts = [f"{self.label} {rec['step']}/{steps}", f"loss {rec['loss']:.4f}"]
-        if "acc_len" in rec:
-            parts.append(f"acc-len {rec['acc_len']:.2f}")
-        if "acc" in rec:
-            parts.append(f"acc {rec['acc']:.3f}")
-        if rec.get("tokens_per_s"):
-            parts += [f"{rec['tokens_per_s'] / 1e3:.1f}k tok/s", f"ETA {_duration(rec['eta_s'])}"]
-        else:
-            parts.append(f"compiled+1 step in {_duration(rec['elapsed_s'])}")
-        line = " | ".join(parts)
-        if self.inplace:
-            sys.stderr.write("\r" + line.ljust(self.width))
-            self.width = len(line)
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.inplace and self.width:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+def _postfix(rec: dict) -> str:
+    """The progress bar's figures at a log point: loss, the acceptance estimates, and the token rate (or,
+    after the first step, how long compiling and that step took)."""
+    parts = [f"loss {rec['loss']:.4f}"]
+    if "acc_len" in rec:
+        parts.append(f"acc-len {rec['acc_len']:.2f}")
+    if "acc" in rec:
+        parts.append(f"acc {rec['acc']:.3f}")
+    if rec.get("tokens_per_s"):
+        parts.append(f"{rec['tokens_per_s'] / 1e3:.1f}k tok/s")
+    else:
+        parts.append(f"compiled + 1 step in {rec['elapsed_s']:.1f}s")
+    return " | ".join(parts)
 
 
 def _summarise(pending: list) -> dict:
@@ -281,33 +258,34 @@ def _fit(loss_fn: Callable, params, frozen, tc: TrainConfig, next_batch: Callabl
     params = jax.tree.map(lambda x: jnp.array(x, jnp.float32), params)  # a private float32 master copy
     opt_state = optimizer.init(params)
     step = _make_step(loss_fn, optimizer, schedule)
-    bar = _Progress(label, progress)
     history = [] if history is None else history
     pending, t0, t_first = [], time.perf_counter(), None
-    for i in range(1, tc.steps + 1):
-        params, opt_state, metrics = step(params, opt_state, frozen, np.int32(i - 1), *next_batch())
-        pending.append(metrics)
-        if i == 1:
-            jax.block_until_ready(metrics)
-            t_first = time.perf_counter()
-        if i == 1 or i % tc.log_every == 0 or i == tc.steps:
-            rec = {k: v.tolist() for k, v in _summarise(pending).items()}
-            pending = []
-            now = time.perf_counter()
-            rate = (i - 1) / (now - t_first) if i > 1 else 0.0
-            rec.update(step=i, elapsed_s=now - t0,
-                       tokens_per_s=rate * tokens_per_step, eta_s=(tc.steps - i) / rate if rate else None)
+    with tqdm(total=tc.steps, desc=label, unit="step", disable=not progress, file=sys.stderr) as bar:
+        bar.set_postfix_str("compiling…")
+        for i in range(1, tc.steps + 1):
+            params, opt_state, metrics = step(params, opt_state, frozen, np.int32(i - 1), *next_batch())
+            pending.append(metrics)
             if i == 1:
-                rec["first_step_s"] = t_first - t0
-            history.append(rec)
-            bar.update(rec, tc.steps)
-            if tc.time_budget_s is not None and now - t0 > tc.time_budget_s and i < tc.steps:
-                rec["stopped_early"] = f"time budget {tc.time_budget_s:g} s reached at step {i} of {tc.steps}"
-                break
-        if on_checkpoint is not None and tc.checkpoint_every and i % tc.checkpoint_every == 0 and i < tc.steps:
-            on_checkpoint(i, params)
-    jax.block_until_ready(params)
-    bar.close()
+                jax.block_until_ready(metrics)
+                t_first = time.perf_counter()
+            if i == 1 or i % tc.log_every == 0 or i == tc.steps:
+                rec = {k: v.tolist() for k, v in _summarise(pending).items()}
+                pending = []
+                now = time.perf_counter()
+                rate = (i - 1) / (now - t_first) if i > 1 else 0.0
+                rec.update(step=i, elapsed_s=now - t0,
+                           tokens_per_s=rate * tokens_per_step, eta_s=(tc.steps - i) / rate if rate else None)
+                if i == 1:
+                    rec["first_step_s"] = t_first - t0
+                history.append(rec)
+                bar.set_postfix_str(_postfix(rec), refresh=False)
+                bar.update(i - bar.n)
+                if tc.time_budget_s is not None and now - t0 > tc.time_budget_s and i < tc.steps:
+                    rec["stopped_early"] = f"time budget {tc.time_budget_s:g} s reached at step {i} of {tc.steps}"
+                    break
+            if on_checkpoint is not None and tc.checkpoint_every and i % tc.checkpoint_every == 0 and i < tc.steps:
+                on_checkpoint(i, params)
+        jax.block_until_ready(params)
     return params
 
 
