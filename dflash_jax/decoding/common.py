@@ -149,13 +149,14 @@ def _cut_rows(prompts, lengths) -> list:
 
 
 def check_dtypes(target: Target, drafter: Drafter) -> None:
-    """Refuse a drafter whose weights are not in its target's dtype (it computes on the target's hidden
-    states, so both share one), naming both and the fix."""
+    """Refuse a drafter whose weights are not in its target's dtype, the dtype of `target.embed` (it computes
+    on the target's embeddings and hidden states, so both share one), naming both and the fix."""
     held = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(drafter.params) if jnp.issubdtype(leaf.dtype,
                                                                                                  jnp.floating)})
-    if held != [target.config.dtype]:
+    computes = str(jax.eval_shape(target.embed, jax.ShapeDtypeStruct((1, 1), jnp.int32)).dtype)
+    if held != [computes]:
         raise ValueError(f"the drafter's weights are {', '.join(held)} and the target computes in "
-                         f"{target.config.dtype}: a drafter computes in its target's dtype. Load it with its target, "
+                         f"{computes}: a drafter computes in its target's dtype. Load it with its target, "
                          "load_drafter(path, target), which casts it")
 
 
