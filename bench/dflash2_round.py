@@ -13,7 +13,6 @@ commit + ingest), the fused round on its own proposals, the plain step, and the 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -51,13 +50,7 @@ def drafter_configs(target: TargetConfig, tiny: bool) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    acc.base_args(ap, [1], [512], [6.5], 256)
-    ap.add_argument("--calls", type=int, default=None, help="back-to-back calls per phase sample (default 20; tiny 5)")
-    ap.add_argument("--phase-reps", type=int, default=5, help="phase samples (median)")
-    ap.add_argument("--context", default="prefill", choices=acc.CONTEXTS, help="how the prompt's caches are made")
-    args = acc.finish_args(ap.parse_args(argv), [1], [512], [6.5], 256, [1], [32])
-    args.calls = args.calls or (5 if args.tiny else 20)
+    args = spec_round.parse_args(argv, __doc__, 6.5)
     counter = acc.CompileCounter()
     tcfg, dtype = (common.TINY, jnp.float32) if args.tiny else (TARGET_30B, jnp.bfloat16)
     target = common.random_target(tcfg, dtype)

@@ -198,14 +198,20 @@ def measure_cell(target, drafter, batch: int, prompt: int, args, counter: acc.Co
     return rec
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    acc.base_args(ap, [1], [512], [6], 256)
+def parse_args(argv, description: str, tau: float):
+    """The options of `measure_cell` runs (batch 1, prompt 512 and acceptance `tau` by default)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    acc.base_args(ap, [1], [512], [tau], 256)
     ap.add_argument("--calls", type=int, default=None, help="back-to-back calls per phase sample (default 20; tiny 5)")
     ap.add_argument("--phase-reps", type=int, default=5, help="phase samples (median)")
     ap.add_argument("--context", default="prefill", choices=acc.CONTEXTS, help="how the prompt's caches are made")
-    args = acc.finish_args(ap.parse_args(argv), [1], [512], [6.0], 256, [1], [32])
+    args = acc.finish_args(ap.parse_args(argv), [1], [512], [tau], 256, [1], [32])
     args.calls = args.calls or (5 if args.tiny else 20)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv, __doc__, 6.0)
     counter = acc.CompileCounter()
     target, drafter = acc.models(args.tiny)
     payload = common.environment(**vars(args)) | acc.describe(target, drafter, args.tiny)
