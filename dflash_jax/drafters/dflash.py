@@ -197,15 +197,16 @@ def init_args(cfg: DrafterConfig) -> tuple:
             jnp.ones((1, 1), jnp.int32))
 
 
-def init_params(cfg: DrafterConfig, seed: int = 0) -> dict:
-    """Float32 params: N(0, 0.02) weights, norms ones (traced on one block)."""
-    return init_module(DFlashModule, cfg, seed, *init_args(cfg))
+def init_params(cfg: DrafterConfig, seed: int = 0, module_cls=DFlashModule) -> dict:
+    """Float32 params of a drafter module (the DFlash one, or a family's that extends it), traced on one
+    block: N(0, 0.02) weights, norms ones, and whatever initialisers the family's heads declare."""
+    return init_module(module_cls, cfg, seed, *init_args(cfg))
 
 
 @functools.lru_cache(maxsize=None)
-def param_shapes(cfg: DrafterConfig):
+def param_shapes(cfg: DrafterConfig, module_cls=DFlashModule):
     """The parameter pytree of `cfg` as `ShapeDtypeStruct`s, straight from the module."""
-    return jax.eval_shape(functools.partial(init_params, cfg, 0))
+    return jax.eval_shape(functools.partial(init_params, cfg, 0, module_cls))
 
 
 class DFlashDrafter(Drafter):

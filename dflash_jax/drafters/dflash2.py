@@ -26,11 +26,11 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dflash_jax import sampling as smp
-from dflash_jax.config import DrafterConfig
+from dflash_jax.drafters import dflash
 from dflash_jax.drafters.base import Proposal, ProposeSettings
-from dflash_jax.drafters.dflash import DFlashDrafter, DFlashLayer, DFlashModule, init_args
+from dflash_jax.drafters.dflash import DFlashDrafter, DFlashLayer, DFlashModule
 from dflash_jax.targets.base import Target
-from dflash_jax.targets.layers import INIT_STD, init_module, rms_norm
+from dflash_jax.targets.layers import INIT_STD, rms_norm
 from pallas_kernels import dynamic_conv as dconv
 
 _normal = nn.initializers.normal(INIT_STD)
@@ -145,15 +145,9 @@ def selector_walk(pred: jax.Array, succ: jax.Array, unary: jax.Array, cand: jax.
     return jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(q, 0, 1)
 
 
-def init_params(cfg: DrafterConfig, seed: int = 0) -> dict:
-    """Float32 params: the backbone's, identity base kernels, N(0, 0.02) projections and codebooks."""
-    return init_module(DFlash2Module, cfg, seed, *init_args(cfg))
-
-
-@functools.lru_cache(maxsize=None)
-def param_shapes(cfg: DrafterConfig):
-    """The parameter pytree of `cfg` as `ShapeDtypeStruct`s, straight from the module."""
-    return jax.eval_shape(functools.partial(init_params, cfg, 0))
+init_params = functools.partial(dflash.init_params, module_cls=DFlash2Module)
+"""Float32 params: the backbone's, identity base kernels, N(0, 0.02) projections and codebooks."""
+param_shapes = functools.partial(dflash.param_shapes, module_cls=DFlash2Module)
 
 
 class DFlash2Drafter(DFlashDrafter):

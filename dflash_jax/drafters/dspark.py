@@ -31,11 +31,11 @@ from flax import struct
 
 from dflash_jax import sampling as smp
 from dflash_jax.cache import KVCache, init_kv
-from dflash_jax.config import DrafterConfig
+from dflash_jax.drafters import dflash
 from dflash_jax.drafters.base import Proposal, ProposeSettings
-from dflash_jax.drafters.dflash import DFlashDrafter, DFlashModule, init_args
+from dflash_jax.drafters.dflash import DFlashDrafter, DFlashModule
 from dflash_jax.targets.base import Target
-from dflash_jax.targets.layers import INIT_STD, init_module
+from dflash_jax.targets.layers import INIT_STD
 
 _normal, _zeros = nn.initializers.normal(INIT_STD), nn.initializers.zeros
 
@@ -71,15 +71,9 @@ class DSparkModule(DFlashModule):
         return raw
 
 
-def init_params(cfg: DrafterConfig, seed: int = 0) -> dict:
-    """Float32 params: the backbone's, plus the heads the config has."""
-    return init_module(DSparkModule, cfg, seed, *init_args(cfg))
-
-
-@functools.lru_cache(maxsize=None)
-def param_shapes(cfg: DrafterConfig):
-    """The parameter pytree of `cfg` as `ShapeDtypeStruct`s, straight from the module."""
-    return jax.eval_shape(functools.partial(init_params, cfg, 0))
+init_params = functools.partial(dflash.init_params, module_cls=DSparkModule)
+"""Float32 params: the backbone's, plus the heads the config has."""
+param_shapes = functools.partial(dflash.param_shapes, module_cls=DSparkModule)
 
 
 @struct.dataclass
