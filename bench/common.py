@@ -165,6 +165,14 @@ def environment(**settings) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "settings": settings}
 
 
+def exit_status(failed: list, tolerance) -> int:
+    """1 after naming the cells where the Pallas kernel disagreed with its reference (`failed`), else 0."""
+    if failed:
+        print(f"FAIL: pallas disagrees with xla beyond {tolerance} (relative) at: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
     out_dir = out_dir or RESULTS
     os.makedirs(out_dir, exist_ok=True)

@@ -168,10 +168,7 @@ def main(argv=None) -> int:
               f"{c['roofline_us']:11.2f}")
     common.write_json("dynamic_conv_tiny.json" if args.tiny else "dynamic_conv.json", payload, args.out)
     failed = [f"N={c['N']} {c['half']}" for c in payload["checks"] if not c["ok"]]
-    if failed:
-        print(f"FAIL: pallas disagrees with xla beyond {TOLERANCE} (relative) at: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_status(failed, TOLERANCE)
 
 
 if __name__ == "__main__":

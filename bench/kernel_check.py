@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import common  # noqa: E402
 from pallas_kernels import windowed_attention as wa  # noqa: E402
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
@@ -195,10 +196,7 @@ def main() -> int:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")
     failed = [f"{c['name']} ({c['dtype']})" for c in report["checks"] if not c["ok"]]
-    if failed:
-        print(f"FAIL: pallas disagrees with xla beyond {TOLERANCE} (relative) at: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_status(failed, TOLERANCE)
 
 
 if __name__ == "__main__":
