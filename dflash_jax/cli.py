@@ -215,18 +215,11 @@ def timing_line(label: str, stats, before: str = "") -> str:
             "compilation excluded)")
 
 
-def exact_float32(target):
-    """A context in which a float32 target's matmuls run in full float32 ("highest"). On a GPU the default
-    precision uses TF32, and a 16-row verify then rounds a near-tie differently from a one-row step, so greedy
-    speculative output would not always equal plain output. Other dtypes keep the default."""
-    import jax
-
-    return jax.default_matmul_precision("highest" if target.config.dtype == "float32" else None)
-
-
 def cmd_generate(args) -> int:
     """Speculative generation from a prompt, streamed as text; the bundled demo pair by default. The programs
     are compiled first (a one-token run of the same shapes), so the streamed run's times hold no compilation."""
+    import dflash_jax
+
     if _half_pair(args):
         return 2
     text = _prompt_text(args)
@@ -234,13 +227,6 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     tokenizer, target, drafter, stops = _load_pair(args)
     load_s = time.perf_counter() - t0
-    with exact_float32(target):
-        return _generate(args, text, sampling, tokenizer, target, drafter, stops, load_s)
-
-
-def _generate(args, text: str, sampling, tokenizer, target, drafter, stops, load_s: float) -> int:
-    import dflash_jax
-
     ids = _prompt_ids(tokenizer, text, args.chat)
     compile_s = compile_run("speculative decoding", lambda: dflash_jax.Session(
         target, drafter, [ids], max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling).burst(1))
@@ -322,12 +308,10 @@ def cmd_bench(args) -> int:
     sampling = _sampling(args)
     tokenizer, target, drafter, stops = _load_pair(args)
     settings = {"target": args.target or "demo", "drafter": args.drafter or f"demo {args.demo_drafter}",
-                "max_samples": args.max_samples, "seed": args.seed, "dtype": target.config.dtype,
-                "matmul_precision": "highest" if target.config.dtype == "float32" else "default"}
-    with exact_float32(target):
-        report = benchmark.run_bench(target, drafter, tokenizer, rows, dataset=args.dataset, chat=args.chat,
-                                     max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling,
-                                     settings=settings)
+                "max_samples": args.max_samples, "seed": args.seed, "dtype": target.config.dtype}
+    report = benchmark.run_bench(target, drafter, tokenizer, rows, dataset=args.dataset, chat=args.chat,
+                                 max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling,
+                                 settings=settings)
     print("\n".join(benchmark.summary_lines(report["summary"])))
     print(f"compiling took {report['settings']['compile_s_excluded']:.1f} s in all, left out of every time above",
           file=sys.stderr)

@@ -1,6 +1,5 @@
 """Issue 19, items 3-5: `python -m dflash_jax`, the compiling notice and the persistent compilation cache,
 progress bars, and timings that keep compilation out of prefill, decode and tokens/s."""
-import dataclasses
 import io
 import os
 import re
@@ -216,12 +215,3 @@ def test_training_shows_a_progress_bar_that_says_it_compiles_then_reports_its_fi
     assert re.search(r"1/3 .*compiled \+ 1 step in [0-9.]+s", err), err
     assert re.search(r"3/3 .*loss [0-9.]+ \| acc-len [0-9.]+ \| [0-9.]+k tok/s", err), err
 
-
-def test_float32_targets_decode_with_full_float32_matmuls_and_others_with_the_default():
-    """On a GPU the default float32 matmul is TF32, which breaks greedy equality between verify and step."""
-    demo = dflash_jax.load_demo()
-    with cli.exact_float32(demo.target):
-        assert jax.config.jax_default_matmul_precision == "highest"
-    bf16 = demo.target.replace(config=dataclasses.replace(demo.target.config, dtype="bfloat16"))
-    with cli.exact_float32(bf16):
-        assert jax.config.jax_default_matmul_precision is None

@@ -262,3 +262,18 @@ def test_mixed_proposal_kinds_in_one_batch_are_refused(target):
     rows = [dflash_jax.Sampling(temperature=1.0), dflash_jax.Sampling(temperature=1.0, proposal="sample")]
     with pytest.raises(ValueError, match=r"proposal must be the same for every row.*\['argmax', 'sample'\]"):
         dflash_jax.Session(target, tiny_drafter(target, 4), PROMPTS[:2], max_new_tokens=4, sampling=rows)
+
+
+def test_float32_models_ask_for_full_float32_products_and_bf16_ones_keep_the_default(target):
+    """A GPU rounds float32 products through TF32 unless asked for HIGHEST, and a 16-row verify then rounds a
+    near-tie apart from a one-row step (on the H200 the demo pair's HumanEval outputs differed from plain)."""
+    drafter = tiny_drafter(target, 4)
+    for dtype, exact in ((jnp.float32, True), (jnp.bfloat16, False)):
+        t, d = (m.replace(params=jax.tree.map(lambda x: x.astype(dtype), m.params)) for m in (target, drafter))
+        programs = [jax.jit(lambda tok: t.forward(tok, d.tap_ids)).lower(jnp.zeros((1, 6), jnp.int32)).as_text(),
+                    jax.jit(d.train_hidden).lower(jnp.zeros((1, 6, 2 * 32), dtype), jnp.zeros((1, 1, 4, 32), dtype),
+                                                  jnp.ones((1, 1), jnp.int32)).as_text()]
+        for hlo in programs:
+            products = hlo.count("dot_general")
+            assert products > 0
+            assert hlo.count("HIGHEST") == (2 * products if exact else 0), f"{dtype.__name__}: every product's precision"

@@ -34,6 +34,7 @@ from dflash_jax.targets.layers import (
     block_attention,
     init_module,
     masked_attention,
+    matmul,
     merge_heads,
     rms_norm,
     rope_frequencies,
@@ -71,7 +72,7 @@ class DFlashLayer(nn.Module):
     def kv(self, x: jax.Array, positions: jax.Array):
         """Keys (k_norm, RoPE) and values of normed inputs `x [B, T, H]` at `positions [B, T]`."""
         c = self.cfg
-        k, v = jnp.split(x @ self.wkv, 2, axis=-1)
+        k, v = jnp.split(matmul(x, self.wkv), 2, axis=-1)
         k = rms_norm(split_heads(k, c.head_dim), self.k_norm, c.rms_norm_eps)
         inv_freq, scale = _rope(c)
         return apply_rope(k, positions, inv_freq, scale), split_heads(v, c.head_dim)
@@ -79,11 +80,11 @@ class DFlashLayer(nn.Module):
     def attention(self, xn: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
         """The attention sublayer on normed block rows `xn [B, W, H]` (without the residual)."""
         c = self.cfg
-        q = rms_norm(split_heads(xn @ self.wq, c.head_dim), self.q_norm, c.rms_norm_eps)
+        q = rms_norm(split_heads(matmul(xn, self.wq), c.head_dim), self.q_norm, c.rms_norm_eps)
         inv_freq, scale = _rope(c)
         q = apply_rope(q, positions, inv_freq, scale)
         k, v = self.kv(xn, positions)
-        return merge_heads(attend(q, k, v)) @ self.wo
+        return matmul(merge_heads(attend(q, k, v)), self.wo)
 
     def mlp(self, xn: jax.Array) -> jax.Array:
         """The SwiGLU sublayer on normed rows (without the residual)."""
@@ -112,7 +113,7 @@ class DFlashModule(nn.Module):
 
     def context_kv(self, taps: jax.Array, positions: jax.Array) -> list:
         """Per layer `(k, v)` of context tokens: `ctx = RMSNorm_hidden(fc(taps))` projected once."""
-        ctx = rms_norm(taps @ self.fc, self.hidden_norm, self.cfg.rms_norm_eps)
+        ctx = rms_norm(matmul(taps, self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
         return [layer.kv(ctx, positions) for layer in self.layers]
 
     def ingest(self, cache: KVCache, taps: jax.Array, start: jax.Array) -> KVCache:

@@ -30,7 +30,7 @@ from dflash_jax.drafters import dflash
 from dflash_jax.drafters.base import Proposal, ProposeSettings
 from dflash_jax.drafters.dflash import DFlashDrafter, DFlashLayer, DFlashModule
 from dflash_jax.targets.base import Target
-from dflash_jax.targets.layers import INIT_STD, rms_norm
+from dflash_jax.targets.layers import INIT_STD, exact, matmul, rms_norm
 from pallas_kernels import dynamic_conv as dconv
 
 _normal = nn.initializers.normal(INIT_STD)
@@ -65,7 +65,7 @@ class DFlash2Layer(DFlashLayer):
     def convolved(self, sublayer: Callable, base: jax.Array, proj: jax.Array, xn: jax.Array, impl: str):
         """prepare -> `sublayer` -> finish on normed rows `xn [B, N*b, H]`, N blocks of b rows, each alone."""
         b, h = self.cfg.block_size, xn.shape[-1]
-        dyn = (xn @ proj).reshape(-1, b, proj.shape[-1])
+        dyn = matmul(xn, proj).reshape(-1, b, proj.shape[-1])
 
         def conv(x, which):
             return dconv.dynamic_conv(x.reshape(-1, b, h), dyn, base, which, impl=conv_impl(impl)).reshape(x.shape)
@@ -96,7 +96,7 @@ class DFlash2Module(DFlashModule):
 
     def hidden_projection(self, rows: jax.Array) -> jax.Array:
         """`hp = rows @ W_h`: harvested rows `[..., nd, H]` -> float32 `[..., nd, r]`."""
-        return jnp.matmul(rows, self.selector_hidden, preferred_element_type=jnp.float32)
+        return matmul(rows, self.selector_hidden, preferred_element_type=jnp.float32)
 
     def codebooks(self) -> tuple:
         return self.selector_pred, self.selector_succ
@@ -108,7 +108,7 @@ def selector_scores(pred: jax.Array, succ: jax.Array, unary: jax.Array, cand: ja
     prev `int[...]` -> float32 `[..., K]`."""
     gate = jnp.take(pred, prev, axis=0).astype(jnp.float32) * hp.astype(jnp.float32)
     rows = jnp.take(succ, cand, axis=0).astype(jnp.float32)
-    return unary.astype(jnp.float32) + jnp.einsum("...r,...kr->...k", gate, rows)
+    return unary.astype(jnp.float32) + jnp.einsum("...r,...kr->...k", gate, rows, precision=exact(gate))
 
 
 def selector_walk(pred: jax.Array, succ: jax.Array, unary: jax.Array, cand: jax.Array, hp: jax.Array,

@@ -35,7 +35,7 @@ from dflash_jax.drafters import dflash
 from dflash_jax.drafters.base import Proposal, ProposeSettings
 from dflash_jax.drafters.dflash import DFlashDrafter, DFlashModule
 from dflash_jax.targets.base import Target
-from dflash_jax.targets.layers import INIT_STD
+from dflash_jax.targets.layers import INIT_STD, matmul
 
 _normal, _zeros = nn.initializers.normal(INIT_STD), nn.initializers.zeros
 
@@ -59,15 +59,15 @@ class DSparkModule(DFlashModule):
 
     def markov_bias(self, emb: jax.Array) -> jax.Array:
         """`W1[prev] @ W2`: `[..., r] -> float32[..., V]`."""
-        return jnp.matmul(emb, self.markov_w2, preferred_element_type=jnp.float32)
+        return matmul(emb, self.markov_w2, preferred_element_type=jnp.float32)
 
     def confidence(self, rows: jax.Array, emb: Optional[jax.Array]) -> jax.Array:
         """`raw [..., nd]` from harvested rows `[..., nd, H]` and, for the Markov form, `W1[prev]`."""
         h = self.cfg.hidden_size
         w = self.confidence_w[:, 0].astype(jnp.float32)
-        raw = rows.astype(jnp.float32) @ w[:h] + self.confidence_b[0].astype(jnp.float32)
+        raw = matmul(rows.astype(jnp.float32), w[:h]) + self.confidence_b[0].astype(jnp.float32)
         if self.cfg.confidence_in_dim > h:
-            raw = raw + emb.astype(jnp.float32) @ w[h:]
+            raw = raw + matmul(emb.astype(jnp.float32), w[h:])
         return raw
 
 

@@ -28,6 +28,7 @@ from dflash_jax.targets.layers import (
     block_attention,
     init_module,
     masked_attention,
+    matmul,
     merge_heads,
     rms_norm,
     rope_frequencies,
@@ -67,7 +68,7 @@ class DenseLayer(nn.Module):
     def qkv(self, x: jax.Array, positions: jax.Array):
         """Fused q/k/v projection of the normed input, per-head q/k norm (Qwen3) and RoPE."""
         c = self.cfg
-        qkv = x @ self.wqkv
+        qkv = matmul(x, self.wqkv)
         if c.attention_bias:
             qkv = qkv + self.bqkv
         q, k, v = jnp.split(qkv, [c.q_width, c.q_width + c.kv_width], axis=-1)
@@ -82,7 +83,7 @@ class DenseLayer(nn.Module):
         """`(x_out, k, v)`: the layer's output and the block's keys and values (for the cache)."""
         c = self.cfg
         q, k, v = self.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps), positions)
-        o = merge_heads(attend(q, k, v)) @ self.wo
+        o = matmul(merge_heads(attend(q, k, v)), self.wo)
         x = x + (o + self.bo if c.attention_bias else o)
         x = x + swiglu(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.w_gate_up, self.w_down)
         return x, k, v
@@ -107,7 +108,7 @@ class DenseLM(nn.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """LM head on final-normed hidden states, in float32."""
         w = self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head
-        return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+        return matmul(h, w, preferred_element_type=jnp.float32)
 
     def _norm(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)

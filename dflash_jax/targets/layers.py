@@ -1,7 +1,7 @@
 """Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU.
 
 All functions are pure over arrays; weights are stored `[in, out]` (converted by the name
-maps in `io/names.py`), so projections are plain `x @ W`.
+maps in `io/names.py`), so projections are `x @ W`, through `matmul` (full float32 for float32 models).
 """
 from __future__ import annotations
 
@@ -100,10 +100,23 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
     return x * cos + rotated * sin
 
 
+def exact(*arrays):
+    """The matmul precision of a model's products: HIGHEST when an operand is float32, else the default.
+    A GPU rounds float32 products through TF32 by default, and a 16-row verify then rounds a near-tie
+    differently from a one-row step, so float32 greedy decoding would not be token-identical to plain
+    decoding. bf16 products are left as they are (the same program as without a precision)."""
+    return jax.lax.Precision.HIGHEST if any(a.dtype == jnp.float32 for a in arrays) else None
+
+
+def matmul(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
+    """`x @ w` at the precision `exact` gives (`kwargs` go to `jnp.matmul`, e.g. `preferred_element_type`)."""
+    return jnp.matmul(x, w, precision=exact(x, w), **kwargs)
+
+
 def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP with gate and up fused into one `[H, 2F]` projection."""
-    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ w_down
+    gate, up = jnp.split(matmul(x, w_gate_up), 2, axis=-1)
+    return matmul(jax.nn.silu(gate) * up, w_down)
 
 
 def split_heads(x: jax.Array, head_dim: int) -> jax.Array:
@@ -123,10 +136,10 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     b, tq, nh, hd = q.shape
     nkv = k.shape[2]
     qg = q.reshape(b, tq, nkv, nh // nkv, hd)
-    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, precision=exact(q), preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, precision=exact(v), preferred_element_type=jnp.float32)
     return o.reshape(b, tq, nh, hd).astype(q.dtype)
 
 
@@ -135,7 +148,9 @@ __all__ = [
     "init_module",
     "apply_rope",
     "block_attention",
+    "exact",
     "masked_attention",
+    "matmul",
     "merge_heads",
     "rms_norm",
     "rope_frequencies",
