@@ -20,8 +20,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-
 import common  # noqa: E402
 import dflash_jax  # noqa: E402
 from dflash_jax import load_tokenizer  # noqa: E402
@@ -51,7 +49,6 @@ def main(argv=None) -> dict:
                     help="drafter directories that also run their family's extra cells (default: every drafter)")
     args = ap.parse_args(argv)
     extras_for = None if args.extras_for is None else {os.path.realpath(p) for p in args.extras_for}
-    jax.config.update("jax_default_matmul_precision", "highest")  # exact float32 on GPU: greedy must match plain
     target = dflash_jax.load_target(args.target, "float32")
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(p["text"]) for p in json.load(open(args.prompts))["prompts"][: args.n]]

@@ -18,7 +18,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
@@ -74,8 +73,6 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float32"])
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
-    if args.dtype == "float32":
-        jax.config.update("jax_default_matmul_precision", "highest")  # no TF32: exact float32 on GPU
     kw = {"block_size": args.block_size} if args.block_size else {}
     demo = load_demo(args.dtype, **({"directory": args.pair} if args.pair else {}), **kw)
     prompts = json.load(open(args.prompts))["prompts"][: args.n]
