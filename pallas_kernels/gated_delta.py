@@ -1,0 +1,181 @@
+"""Gated DeltaNet: the linear-attention mixer of hybrid Qwen3-Next / Qwen3.5 targets.
+
+Per value head, a float32 state S [dk, dv] takes each position t as (Hugging Face
+`torch_recurrent_gated_delta_rule`)
+
+    S = exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S = S + k_t u_t^T;   o_t = S^T q_t
+
+g is a log-decay (<= 0) and beta a write strength in [0, 1]. The caller L2-normalises q and k, scales q by
+dk**-0.5 and repeats the key heads up to the H value heads. Shapes: state [B, H, dk, dv]; q, k [B, C, H, dk];
+v [B, C, H, dv]; g, beta [B, C, H]. Inputs may be bf16; the math is float32 and so are out and states.
+
+`delta_chunk` takes C positions at once in the UT (WY) form: the C updates u solve one unit lower-triangular
+system (I + A) u = beta (v - exp(G) k S0), A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for j < i, G = cumsum(g);
+then o_i = exp(G_i) q_i^T S0 + sum_{j <= i} (q_i . k_j) exp(G_i - G_j) u_j. The states are accumulated from u
+position by position (S_i = exp(g_i) S_{i-1} + k_i u_i^T, elementwise work that XLA fuses).
+
+Per-position states exist for speculative decoding: a verify may keep any prefix of its block, so `extend` returns
+the state after every position and `commit` selects the one at the last kept position (docs/architecture.md,
+"State of each family"). Masking property, bit for bit in float32: a position with beta = 0 and g = 0 leaves the
+state unchanged (its u is an exact zero and its step multiplies by exp(0) = 1), and no row depends on a later one,
+so masking the positions >= n of a block gives, at positions < n, exactly the unmasked states and outputs, and a
+final state equal to the unmasked `states[:, n - 1]`. The final state of `per_position=False` is the carry of the
+same accumulation. `delta_rule` runs a whole prompt chunk by chunk and updates the state with one matmul per chunk
+(fast, not bit-tied to `delta_chunk`).
+
+`causal_conv` is the depthwise causal conv + SiLU in front of the mixer (Hugging Face `causal_conv1d_fn` /
+`causal_conv1d_update`); `conv_state_at` selects its state after any prefix of a block.
+
+Pure jnp: on a GPU too this XLA form is the default until an H200 benchmark shows a Pallas kernel faster.
+"""
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dflash_jax.targets.layers import exact
+
+F32 = jnp.float32
+
+
+def delta_chunk(state, q, k, v, g, beta, *, per_position: bool):
+    """C positions in the parallel form. Returns `(out f32[B, C, H, dv], states)`: states is the state after
+    every position, f32[B, C, H, dk, dv], when `per_position`, else the final state f32[B, H, dk, dv] (the same
+    arithmetic as `states[:, -1]`)."""
+    _check_delta("delta_chunk", state, q, k, v, g, beta)
+    state, q, k, v, g, beta = (x.astype(F32) for x in (state, q, k, v, g, beta))
+    out, u, _ = _chunk(state, q, k, v, g, beta)
+
+    def step(s, x):
+        g_i, k_i, u_i = x
+        s = jnp.exp(g_i)[..., None, None] * s + k_i[..., :, None] * u_i[..., None, :]
+        return s, s if per_position else None
+
+    moved = tuple(jnp.moveaxis(x, 1, 0) for x in (g, k, u))
+    final, states = lax.scan(step, state, moved)
+    return out, jnp.moveaxis(states, 0, 1) if per_position else final
+
+
+def delta_rule(state, q, k, v, g, beta, *, chunk: int = 64):
+    """A whole sequence of any length T as a scan over chunks of `min(chunk, T)` positions (the tail padded with
+    beta = 0, g = 0, which leaves the state unchanged): memory bounded by one chunk. Returns
+    `(out f32[B, T, H, dv], final state f32[B, H, dk, dv])`."""
+    _check_delta("delta_rule", state, q, k, v, g, beta)
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        raise ValueError(f"delta_rule: chunk={chunk!r} must be a positive int.")
+    b, t, h, _ = q.shape
+    c = min(int(chunk), t)
+    n = -(-t // c)
+
+    def chunks(x):
+        x = jnp.pad(x.astype(F32), [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+
+    def step(s, x):
+        q_c, k_c, v_c, g_c, beta_c = x
+        out_c, u, gcum = _chunk(s, q_c, k_c, v_c, g_c, beta_c)
+        last = gcum[..., -1:]  # [B, H, 1]
+        k_decayed = k_c * jnp.moveaxis(jnp.exp(last - gcum), 1, 2)[..., None]
+        s = jnp.exp(last)[..., None] * s + jnp.einsum("bchk,bchv->bhkv", k_decayed, u, precision=exact(k_decayed))
+        return s, out_c
+
+    final, out = lax.scan(step, state.astype(F32), tuple(chunks(x) for x in (q, k, v, g, beta)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, -1)[:, :t], final
+
+
+def _chunk(state, q, k, v, g, beta):
+    """Float32 UT form of one chunk from state S0: returns `(out [B, C, H, dv], u [B, C, H, dv], G [B, H, C])`,
+    the outputs, the per-position updates and the cumulative log-decay. Row i reads only rows <= i, and a row with
+    beta = 0 gets u = 0 exactly."""
+    c = q.shape[1]
+    gcum = jnp.moveaxis(jnp.cumsum(g, axis=1), 1, 2)  # [B, H, C]
+    seen = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.exp(jnp.where(seen, gcum[..., :, None] - gcum[..., None, :], -jnp.inf))  # [B, H, i, j]
+    p = exact(q)
+    scores = jnp.einsum("bihk,bjhk->bhij", q, k, precision=p) * decay
+    a = jnp.einsum("bihk,bjhk->bhij", k, k, precision=p) * decay * jnp.moveaxis(beta, 1, 2)[..., None]
+    g_exp = jnp.exp(gcum)[..., None]  # [B, H, C, 1]
+    rhs = jnp.moveaxis(beta[..., None] * v, 1, 2) - g_exp * jnp.einsum("bchk,bhkv->bhcv", k * beta[..., None],
+                                                                        state, precision=p)
+    u = jax.scipy.linalg.solve_triangular(jnp.where(seen, a, 0.0), rhs, lower=True, unit_diagonal=True)
+    out = g_exp * jnp.einsum("bchk,bhkv->bhcv", q, state, precision=p) + jnp.einsum("bhij,bhjv->bhiv", scores, u,
+                                                                                  precision=p)
+    return jnp.moveaxis(out, 2, 1), jnp.moveaxis(u, 2, 1), gcum
+
+
+def causal_conv(x, conv_state, weight):
+    """Depthwise causal conv of a block, then SiLU. x: [B, W, C]; conv_state: [B, K-1, C], the K-1 inputs before
+    the block, oldest first, in x.dtype; weight: [C, 1, K] (Hugging Face's `conv1d.weight`, no bias). Computed in
+    float32. Returns `(y [B, W, C] in x.dtype, window [B, K-1+W, C])`: window = concat(conv_state, x), and the
+    state after position i is window[:, i+1 : i+K] (`conv_state_at`)."""
+    _check_conv(x, conv_state, weight)
+    w = x.shape[1]
+    window = jnp.concatenate([conv_state, x], axis=1)
+    taps = weight[:, 0, :].astype(F32)  # [C, K]
+    wide = window.astype(F32)
+    y = sum(taps[:, o] * wide[:, o:o + w] for o in range(taps.shape[1]))
+    return jax.nn.silu(y).astype(x.dtype), window
+
+
+def conv_state_at(window, n, *, kernel_size: int):
+    """The conv state after the first n[b] positions of a block: window[b, n[b] : n[b] + K-1], [B, K-1, C].
+    window: `causal_conv`'s [B, K-1+W, C]; n: int[B] in 0..W (lax.dynamic_slice clamps values outside)."""
+    n = jnp.asarray(n)
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, numbers.Integral) or kernel_size < 1:
+        raise ValueError(f"conv_state_at: kernel_size={kernel_size!r} must be a positive int.")
+    if window.ndim != 3 or window.shape[1] < kernel_size:
+        raise ValueError(f"conv_state_at: window has shape {window.shape}; expected [B, K-1+W, C] with "
+                         f"W >= 1 for kernel_size K = {kernel_size}.")
+    if n.shape != window.shape[:1] or not jnp.issubdtype(n.dtype, jnp.integer):
+        raise ValueError(f"conv_state_at: n must be an integer array of shape ({window.shape[0]},); "
+                         f"got {n.dtype}{list(n.shape)}.")
+    take = jax.vmap(lambda row, start: lax.dynamic_slice_in_dim(row, start, kernel_size - 1, axis=0))
+    return take(window, n.astype(jnp.int32))
+
+
+def _check_delta(fn, state, q, k, v, g, beta) -> None:
+    """Refuse bad shapes and dtypes here, with a sentence, instead of deep inside XLA."""
+    arrays = {"state": state, "q": q, "k": k, "v": v, "g": g, "beta": beta}
+    layout = {"state": "[B, H, dk, dv]", "q": "[B, C, H, dk]", "k": "[B, C, H, dk]", "v": "[B, C, H, dv]",
+              "g": "[B, C, H]", "beta": "[B, C, H]"}
+    _check_floating(fn, arrays, layout)
+    if 0 in q.shape or 0 in v.shape:
+        raise ValueError(f"{fn}: q {q.shape} and v {v.shape} must have every axis non-empty.")
+    b, c, h, dk = q.shape
+    dv = v.shape[-1]
+    expected = {"state": (b, h, dk, dv), "k": (b, c, h, dk), "v": (b, c, h, dv), "g": (b, c, h), "beta": (b, c, h)}
+    for name, shape in expected.items():
+        if arrays[name].shape != shape:
+            raise ValueError(f"{fn}: {name} has shape {arrays[name].shape}; expected {shape} ({layout[name]}) "
+                             f"from q {q.shape} and v {v.shape}.")
+
+
+def _check_conv(x, conv_state, weight) -> None:
+    """Refuse bad shapes and dtypes here, with a sentence, instead of deep inside XLA."""
+    _check_floating("causal_conv", {"x": x, "conv_state": conv_state, "weight": weight},
+                    {"x": "[B, W, C]", "conv_state": "[B, K-1, C]", "weight": "[C, 1, K]"})
+    b, w, c = x.shape
+    if min(b, w, c) == 0:
+        raise ValueError(f"causal_conv: x has shape {x.shape}; every axis must be non-empty.")
+    if weight.shape[:2] != (c, 1) or weight.shape[2] == 0:
+        raise ValueError(f"causal_conv: weight has shape {weight.shape}; expected [{c}, 1, K] with K >= 1 "
+                         f"for x {x.shape}.")
+    expected = (b, weight.shape[2] - 1, c)
+    if conv_state.shape != expected:
+        raise ValueError(f"causal_conv: conv_state has shape {conv_state.shape}; expected {expected} "
+                         f"([B, K-1, C]) from x {x.shape} and weight {weight.shape}.")
+    if conv_state.dtype != x.dtype:
+        raise ValueError(f"causal_conv: conv_state has dtype {conv_state.dtype}; expected x's {x.dtype} "
+                         f"(the window joins them).")
+
+
+def _check_floating(fn, arrays: dict, layout: dict) -> None:
+    """Each named array has the rank of its layout (e.g. "[B, C, H]") and a floating dtype."""
+    for name, x in arrays.items():
+        if x.ndim != layout[name].count(",") + 1:
+            raise ValueError(f"{fn}: {name} has shape {x.shape}; expected {layout[name]}.")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{fn}: {name} has dtype {x.dtype}; expected a floating dtype.")
