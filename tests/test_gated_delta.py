@@ -174,7 +174,7 @@ def test_causal_conv_threads_the_window_across_blocks():
 
 def test_causal_conv_matches_transformers():
     """External oracle: Hugging Face's torch causal_conv1d_fn (zero history) and causal_conv1d_update (a K-wide
-    state whose oldest column no output reads)."""
+    state whose oldest column no output reads, updated in place to the state after the block)."""
     torch = pytest.importorskip("torch")
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
