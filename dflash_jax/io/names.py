@@ -25,24 +25,50 @@ class Param:
     """One leaf at `path` made of the Hugging Face tensors `hf`, concatenated along our last axis.
 
     `widths` gives each tensor's share of that axis (None: one tensor, the whole axis);
-    `transpose` marks linear weights (Hugging Face `[out, in]`, ours `[in, out]`).
+    `transpose` marks linear weights (Hugging Face `[..., out, in]`, ours `[..., in, out]`: the last two
+    axes swap). `experts` > 0 stacks that many experts on a new leading axis, each name in `hf` holding
+    `{e}` for the expert's index (a checkpoint with one tensor per expert).
     """
 
     path: tuple
     hf: tuple
     widths: Optional[tuple] = None
     transpose: bool = False
+    experts: int = 0
+
+    def names(self) -> list:
+        """The Hugging Face names of every tensor of the leaf, expert-major."""
+        if not self.experts:
+            return list(self.hf)
+        return [name.format(e=e) for e in range(self.experts) for name in self.hf]
 
     def pieces(self, shape: tuple) -> list:
         """`(hf name, hf shape)` of each tensor of a leaf of `shape`."""
-        widths = self.widths or (shape[-1],)
-        if len(widths) != len(self.hf) or sum(widths) != shape[-1]:
+        inner = tuple(shape[1:]) if self.experts else tuple(shape)
+        widths = self.widths or (inner[-1],)
+        if len(widths) != len(self.hf) or sum(widths) != inner[-1]:
             raise ValueError(f"name map entry {self.path}: widths {widths} do not split a leaf of shape {shape}")
+        shapes = [_hf_layout(inner[:-1] + (w,), self.transpose) for w in widths]
+        return list(zip(self.names(), shapes * max(self.experts, 1)))
+
+    def assemble(self, get: Callable) -> np.ndarray:
+        """The leaf from `get(hf name) -> np.ndarray`."""
+        arrays = [np.swapaxes(get(n), -1, -2) if self.transpose else get(n) for n in self.names()]
+        groups = [arrays[i:i + len(self.hf)] for i in range(0, len(arrays), len(self.hf))]
+        parts = [g[0] if len(g) == 1 else np.concatenate(g, axis=-1) for g in groups]
+        return np.stack(parts) if self.experts else parts[0]
+
+    def split(self, x: np.ndarray) -> list:
+        """`(hf name, array)` of each tensor of the leaf `x`: the inverse of `assemble`."""
+        cuts = np.cumsum(self.widths or (x.shape[-1],))[:-1]
         out = []
-        for name, w in zip(self.hf, widths):
-            ours = tuple(shape[:-1]) + (w,)
-            out.append((name, ours[::-1] if self.transpose else ours))
-        return out
+        for part in (list(x) if self.experts else [x]):
+            out += [np.swapaxes(p, -1, -2) if self.transpose else p for p in np.split(part, cuts, axis=-1)]
+        return list(zip(self.names(), out))
+
+
+def _hf_layout(shape: tuple, transpose: bool) -> tuple:
+    return shape[:-2] + (shape[-1], shape[-2]) if transpose else shape
 
 
 def leaf(tree, path: Sequence):
@@ -71,12 +97,11 @@ def load_params(names: Sequence[Param], get: Callable) -> dict:
     """Our pytree from `get(hf name) -> np.ndarray`, one leaf at a time, each moved to the device. A load
     that takes over a second shows a progress bar on a terminal's stderr."""
     params: dict = {}
-    with tqdm(total=sum(len(p.hf) for p in names), desc="loading weights", unit="tensor", delay=1.0, leave=False,
-              disable=None) as bar:
+    with tqdm(total=sum(len(p.names()) for p in names), desc="loading weights", unit="tensor", delay=1.0,
+              leave=False, disable=None) as bar:
         for p in names:
-            arrays = [get(n).T if p.transpose else get(n) for n in p.hf]
-            _set(params, p.path, jnp.asarray(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-1)))
-            bar.update(len(p.hf))
+            _set(params, p.path, jnp.asarray(p.assemble(get)))
+            bar.update(len(p.names()))
     return params
 
 
@@ -85,10 +110,8 @@ def hf_tensors(names: Sequence[Param], params, dtype) -> dict:
     np_dtype = jnp.dtype(dtype)
     out = {}
     for p in names:
-        x = np.asarray(leaf(params, p.path))
-        cuts = np.cumsum(p.widths or (x.shape[-1],))[:-1]
-        for name, part in zip(p.hf, np.split(x, cuts, axis=-1)):
-            out[name] = np.ascontiguousarray((part.T if p.transpose else part).astype(np_dtype))
+        for name, part in p.split(np.asarray(leaf(params, p.path))):
+            out[name] = np.ascontiguousarray(part.astype(np_dtype))
     return out
 
 
