@@ -13,6 +13,9 @@ from dflash_jax.targets import moe
 from dflash_jax.targets.moe import MOE_IMPLS, experts, moe_block, route
 
 
+jit_block = jax.jit(moe_block, static_argnames=("top_k", "norm_topk_prob", "impl"))  # one compile, not one per op
+
+
 def random_params(seed: int, h: int, e: int, i: int, shared: int, router_scale: float = 1.0) -> dict:
     """Float32 weights in our `[in, out]` layout; a larger `router_scale` gives peakier routing."""
     rng = np.random.default_rng(seed)
@@ -63,7 +66,7 @@ CASES = [
 def test_moe_block_matches_per_token_loop(impl, t, h, e, i, shared, top_k, norm):
     params = random_params(t * 100 + e, h, e, i, shared, router_scale=3.0)
     x = jnp.asarray(np.random.default_rng(t).standard_normal((1, t, h)), jnp.float32)
-    out = moe_block(x, params, top_k=top_k, norm_topk_prob=norm, impl=impl)
+    out = jit_block(x, params, top_k=top_k, norm_topk_prob=norm, impl=impl)
     assert out.shape == x.shape and out.dtype == jnp.float32
     err = rel_err(out[0], oracle(x[0], params, top_k, norm))
     assert err <= 1e-5, f"{impl}: max rel err {err:.2e} against the per-token loop"
@@ -86,7 +89,7 @@ def test_impls_agree_on_a_batch_with_repeated_experts():
     """Many tokens per expert (T*k = 96 rows over 6 experts), batch 3: both impls give the same output."""
     params = random_params(5, 16, 6, 8, 8)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 16, 16)), jnp.float32)
-    outs = [moe_block(x, params, top_k=2, norm_topk_prob=True, impl=impl) for impl in MOE_IMPLS]
+    outs = [jit_block(x, params, top_k=2, norm_topk_prob=True, impl=impl) for impl in MOE_IMPLS]
     assert rel_err(outs[0], outs[1]) <= 1e-6
     assert rel_err(outs[0].reshape(-1, 16), oracle(x.reshape(-1, 16), params, 2, True)) <= 1e-5
 
@@ -117,21 +120,21 @@ def test_moe_block_matches_transformers(norm):
     cfg = Qwen3NextConfig(hidden_size=h, num_experts=e, num_experts_per_tok=top_k, moe_intermediate_size=i,
                           shared_expert_intermediate_size=shared, norm_topk_prob=norm, hidden_act="silu",
                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=32)
-    block = modeling.Qwen3NextSparseMoeBlock(cfg).float().eval()
+    hf = modeling.Qwen3NextSparseMoeBlock(cfg).float().eval()
     params = random_params(11, h, e, i, shared, router_scale=3.0)
     p = {k: torch.from_numpy(np.asarray(v).copy()) for k, v in params.items()}
     with torch.no_grad():
-        block.gate.weight.copy_(p["router"].T)
-        block.experts.gate_up_proj.copy_(p["w_gate_up"].transpose(1, 2))
-        block.experts.down_proj.copy_(p["w_down"].transpose(1, 2))
-        block.shared_expert.gate_proj.weight.copy_(p["shared_gate_up"][:, :shared].T)
-        block.shared_expert.up_proj.weight.copy_(p["shared_gate_up"][:, shared:].T)
-        block.shared_expert.down_proj.weight.copy_(p["shared_down"].T)
-        block.shared_expert_gate.weight.copy_(p["shared_gate"].T)
+        hf.gate.weight.copy_(p["router"].T)
+        hf.experts.gate_up_proj.copy_(p["w_gate_up"].transpose(1, 2))
+        hf.experts.down_proj.copy_(p["w_down"].transpose(1, 2))
+        hf.shared_expert.gate_proj.weight.copy_(p["shared_gate_up"][:, :shared].T)
+        hf.shared_expert.up_proj.weight.copy_(p["shared_gate_up"][:, shared:].T)
+        hf.shared_expert.down_proj.weight.copy_(p["shared_down"].T)
+        hf.shared_expert_gate.weight.copy_(p["shared_gate"].T)
         x = np.random.default_rng(11).standard_normal((2, 5, h)).astype(np.float32)
-        ref = block(torch.from_numpy(x)).numpy()
+        ref = hf(torch.from_numpy(x)).numpy()
     for impl in MOE_IMPLS:
-        out = moe_block(jnp.asarray(x), params, top_k=top_k, norm_topk_prob=norm, impl=impl)
+        out = jit_block(jnp.asarray(x), params, top_k=top_k, norm_topk_prob=norm, impl=impl)
         assert rel_err(out, ref) <= 1e-5, f"{impl}: max rel err {rel_err(out, ref):.2e} against transformers"
 
 
@@ -139,9 +142,9 @@ def test_moe_block_matches_transformers(norm):
 def test_bf16_runs_and_matches_float32_loosely(impl):
     params = random_params(7, 32, 8, 16, 16)
     x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 4, 32)), jnp.float32)
-    ref = moe_block(x, params, top_k=2, norm_topk_prob=True, impl=impl)
+    ref = jit_block(x, params, top_k=2, norm_topk_prob=True, impl=impl)
     bf = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    out = moe_block(x.astype(jnp.bfloat16), bf, top_k=2, norm_topk_prob=True, impl=impl)
+    out = jit_block(x.astype(jnp.bfloat16), bf, top_k=2, norm_topk_prob=True, impl=impl)
     assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out)))
     _, idx32 = route(x.reshape(-1, 32), params["router"], 2, True)
     _, idx16 = route(x.reshape(-1, 32).astype(jnp.bfloat16), bf["router"], 2, True)

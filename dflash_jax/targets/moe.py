@@ -60,15 +60,21 @@ def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Arr
 def _ragged(x, idx, w_gate_up, w_down):
     """Per-(token, expert) outputs `[T, k, H]` float32 through one grouped matmul per projection."""
     t, k = idx.shape
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # rows grouped by expert, each group in token order
-    sizes = jnp.bincount(flat, length=w_gate_up.shape[0]).astype(jnp.int32)
-    rows = jnp.take(x, order // k, axis=0)
+    rows, sizes, order = _rows_by_expert(x, idx, w_gate_up.shape[0])
     h = jax.lax.ragged_dot(rows, w_gate_up, sizes, precision=exact(x, w_gate_up),
                            preferred_element_type=jnp.float32)
     act = _swiglu_act(h, x.dtype)
     y = jax.lax.ragged_dot(act, w_down, sizes, precision=exact(act, w_down), preferred_element_type=jnp.float32)
     return jnp.take(y, jnp.argsort(order), axis=0).reshape(t, k, -1)
+
+
+def _rows_by_expert(x, idx, num_experts):
+    """The T*k (token, expert) rows of x sorted by expert, each group in token order; the group sizes
+    `[E]` and the sorting permutation of the flattened idx."""
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return jnp.take(x, order // idx.shape[1], axis=0), sizes, order
 
 
 def _gather(x, idx, w_gate_up, w_down):
