@@ -105,8 +105,8 @@ def test_route_weights_and_ids():
         np.testing.assert_array_equal(np.asarray(idx), np.argsort(-np.asarray(probs), axis=1)[:, :3])
         expected = picked / picked.sum(1, keepdims=True) if norm else picked
         np.testing.assert_allclose(np.asarray(w), expected, rtol=1e-6)
-    w, _ = route(x.astype(jnp.bfloat16), params["router"].astype(jnp.bfloat16), 3, True)
-    assert w.dtype == jnp.bfloat16
+    w, _ = route(x.astype(jnp.bfloat16), params["router"].astype(jnp.bfloat16), np.int64(3), True)
+    assert w.dtype == jnp.bfloat16 and w.shape == (10, 3), "a numpy int top_k (from a config) is an int"
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -198,6 +198,8 @@ def test_bad_arguments_are_refused():
         call(impl="ragged", top_k=9)
     with pytest.raises(ValueError, match=r"top_k=0 must be an int in \[1, 8\]"):
         call(top_k=0)
+    with pytest.raises(ValueError, match=r"top_k=2.0 must be an int in \[1, 8\]"):
+        call(top_k=2.0)
     with pytest.raises(ValueError, match="norm_topk_prob=1 must be True or False"):
         call(norm=1)
     with pytest.raises(ValueError, match=r"params lack \['shared_gate'\]"):

@@ -12,6 +12,8 @@ The routed experts have two implementations (`MOE_IMPLS`), both accumulating in 
 """
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -39,7 +41,7 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -
     rescaled to sum 1, else they keep their share of the whole softmax."""
     _check_route(x, w_router, top_k, norm_topk_prob)
     probs = jax.nn.softmax(matmul(x, w_router).astype(jnp.float32), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, top_k)
+    weights, chosen = jax.lax.top_k(probs, int(top_k))
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights.astype(x.dtype), chosen.astype(jnp.int32)
@@ -122,7 +124,7 @@ def _check_route(x, w_router, top_k, norm_topk_prob) -> None:
     _check_float("x", x)
     _check_float("router", w_router)
     n_experts = w_router.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= n_experts:
         raise ValueError(f"moe: top_k={top_k!r} must be an int in [1, {n_experts}] (the router has "
                          f"{n_experts} experts).")
     if not isinstance(norm_topk_prob, bool):
