@@ -1,0 +1,194 @@
+"""Which routed-expert impl of the MoE block is faster on a GPU, and how fast does it read the experts? (bf16)
+
+    python bench/moe.py [--quick] [--iters N] [--inner N] [--out FILE]     # writes bench/results/moe.json
+
+Geometries: Qwen3.5-35B-A3B (E 256, H 2048, I 512, k 8, shared expert 512) and a sanity point with
+2048x1536 gate/up experts (Qwen3-30B-A3B: E 128, H 2048, I 768, k 8; given the same shared expert, since
+`moe_block` always has one). Tokens T = batch x verify width in (1x1, 3x1, 1x16, 3x16), random bf16
+weights and a random router.
+(1) Agreement: per geometry, `impl="ragged"` against `impl="gather"` at the largest T, max abs error over
+the largest magnitude; above 2e-2 the run fails (exit status 1) after the report.
+(2) `cells`: per geometry and T, `<impl>_ms` is the device time of one `moe_block` call: the median over
+`--iters` samples of one jitted `fori_loop` that runs the block `--inner` times (each output, RMS
+normalised, the next input), divided by `--inner`. `bytes` is what a call must read at least: the
+distinct experts its tokens chose (`distinct_experts`, averaged over the gather loop's inputs; the
+ragged loop's differ by rounding) times one expert's bytes, plus the shared expert and the router.
+`<impl>_TBps` is those bytes over the time, and `<impl>_over_read_bw` the same over the GEMV
+weight-streaming bandwidth measured in this run (`common.hbm_read_bandwidth`). `gate_up_dot_ms` times
+the first `ragged_dot` alone (the T*k sorted rows by `w_gate_up`), `--inner` calls back to back: at
+T 16 it has 128 rows, the sanity point (an earlier measurement of the same product: 0.27 ms).
+`faster` names the faster impl per cell.
+`--quick` (alias `--tiny`) runs tiny shapes on the CPU: it tests the script, not the speed.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import common
+from dflash_jax.targets import moe
+from dynamic_conv import per_call_us
+
+TOLERANCE = 2e-2
+GEOMETRIES = {
+    "qwen3.5-35b-a3b": {"e": 256, "h": 2048, "i": 512, "k": 8, "shared": 512},
+    "qwen3-30b-a3b-experts": {"e": 128, "h": 2048, "i": 768, "k": 8, "shared": 512},
+}
+QUICK = {"tiny": {"e": 8, "h": 64, "i": 32, "k": 2, "shared": 32}}
+TOKENS = ((1, 1), (3, 1), (1, 16), (3, 16))  # (batch, verify width)
+QUICK_TOKENS = ((1, 1), (3, 4))
+
+
+def random_params(key, geo: dict) -> dict:
+    """bf16 weights made on the device, `[in, out]`, each scaled by 1/sqrt(in)."""
+    e, h, i, s = geo["e"], geo["h"], geo["i"], geo["shared"]
+    shapes = {"router": (h, e), "w_gate_up": (e, h, 2 * i), "w_down": (e, i, h), "shared_gate_up": (h, 2 * s),
+              "shared_down": (s, h), "shared_gate": (h, 1)}
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def make(key, shape):
+        return (jax.random.normal(key, shape, jnp.float32) / shape[-2] ** 0.5).astype(jnp.bfloat16)
+
+    keys = jax.random.split(key, len(shapes))
+    return {name: make(k, shape) for k, (name, shape) in zip(keys, shapes.items())}
+
+
+def block_fn(geo: dict, impl: str):
+    return functools.partial(moe.moe_block, top_k=geo["k"], norm_topk_prob=True, impl=impl)
+
+
+def next_input(y):
+    """The block output RMS-normalised, so a looped block neither grows nor dies out."""
+    yf = y.astype(jnp.float32)
+    return (yf * lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + 1e-6)).astype(y.dtype)
+
+
+def per_call_ms(block, x, params, iters: int, inner: int) -> float:
+    """Device time of one `block` call in a jitted loop of `inner` calls, median of `iters`, in ms."""
+    return 1e-3 * per_call_us(lambda a, p: next_input(block(a, p)), x, (params,), iters, inner)
+
+
+def mean_distinct_experts(block, x, params, geo: dict, inner: int) -> float:
+    """Distinct experts chosen per call, averaged over the inputs the timing loop of `block` feeds it."""
+
+    def step(_, carry):
+        a, total = carry
+        _, idx = moe.route(a.reshape(-1, geo["h"]), params["router"], geo["k"], True)
+        used = jnp.sum(jnp.bincount(idx.reshape(-1), length=geo["e"]) > 0)
+        return next_input(block(a, params)), total + used
+
+    _, total = jax.jit(lambda x0: lax.fori_loop(0, inner, step, (x0, jnp.int32(0))))(x)
+    return float(total) / inner
+
+
+def gate_up_dot_ms(x, params, geo: dict, iters: int, inner: int) -> float:
+    """The first grouped matmul of `impl="ragged"` alone, on x's routing: `inner` calls back to back."""
+    tokens = x.reshape(-1, geo["h"])
+    _, idx = moe.route(tokens, params["router"], geo["k"], True)
+    rows, sizes, _ = moe._rows_by_expert(tokens, idx, geo["e"])
+    dot = jax.jit(functools.partial(lax.ragged_dot, preferred_element_type=jnp.float32))
+    jax.block_until_ready(dot(rows, params["w_gate_up"], sizes))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = dot(rows, params["w_gate_up"], sizes)  # one stream runs them in order
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times) / inner
+
+
+def expert_bytes(geo: dict) -> int:
+    return 2 * 3 * geo["h"] * geo["i"]
+
+
+def fixed_bytes(geo: dict) -> int:
+    """The shared expert (gate/up, down, its gate) and the router, read by every call."""
+    h = geo["h"]
+    return 2 * (3 * h * geo["shared"] + h + h * geo["e"])
+
+
+def check_agreement(key, geos: dict, tokens) -> list[dict]:
+    """ragged against gather at the largest T of each geometry: relative max abs error."""
+    results = []
+    b, w = tokens[-1]
+    for name, geo in geos.items():
+        params = random_params(jax.random.fold_in(key, len(results)), geo)
+        x = jax.random.normal(jax.random.fold_in(key, 1000 + len(results)), (b, w, geo["h"]), jnp.bfloat16)
+        ref, out = (jax.jit(block_fn(geo, impl))(x, params).astype(jnp.float32) for impl in ("gather", "ragged"))
+        max_err = float(jnp.max(jnp.abs(out - ref)))
+        rel_err = max_err / max(float(jnp.max(jnp.abs(ref))), 1e-6)
+        ok = bool(jnp.all(jnp.isfinite(out))) and rel_err <= TOLERANCE
+        results.append({"geometry": name, "T": b * w, "max_abs_err": max_err, "rel_err": rel_err, "ok": ok})
+        print(f"check {name} T={b * w} max_abs_err={max_err:.3e} rel={rel_err:.3e} {'ok' if ok else 'FAIL'}",
+              flush=True)
+    return results
+
+
+def time_cells(key, geos: dict, tokens, read_bw: float, iters: int, inner: int) -> list[dict]:
+    cells = []
+    for g, (name, geo) in enumerate(geos.items()):
+        params = random_params(jax.random.fold_in(key, g), geo)
+        for b, w in tokens:
+            x = jax.random.normal(jax.random.fold_in(key, 1000 * (g + 1) + b * w), (b, w, geo["h"]), jnp.bfloat16)
+            distinct = mean_distinct_experts(block_fn(geo, "gather"), x, params, geo, inner)
+            row = {"geometry": name, "batch": b, "width": w, "T": b * w, "rows": b * w * geo["k"],
+                   "distinct_experts": distinct, "bytes": distinct * expert_bytes(geo) + fixed_bytes(geo)}
+            for impl in moe.MOE_IMPLS:
+                ms = per_call_ms(block_fn(geo, impl), x, params, iters, inner)
+                row[f"{impl}_ms"] = ms
+                row[f"{impl}_TBps"] = row["bytes"] / (ms * 1e-3) / 1e12
+                row[f"{impl}_over_read_bw"] = row["bytes"] / (ms * 1e-3) / read_bw
+            row["gate_up_dot_ms"] = gate_up_dot_ms(x, params, geo, iters, inner)
+            row["faster"] = min(moe.MOE_IMPLS, key=lambda impl: row[f"{impl}_ms"])
+            row["speedup_ragged_over_gather"] = row["gather_ms"] / row["ragged_ms"]
+            cells.append(row)
+            print(f"time {name} T={b * w:2d} distinct={distinct:6.1f} ragged={row['ragged_ms']:.4f}ms "
+                  f"({row['ragged_TBps']:.2f} TB/s) gather={row['gather_ms']:.4f}ms ({row['gather_TBps']:.2f} TB/s) "
+                  f"gate_up_dot={row['gate_up_dot_ms']:.4f}ms", flush=True)
+    return cells
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=20, help="timed samples per cell (median)")
+    ap.add_argument("--inner", type=int, default=20, help="calls per sample, in one jitted loop")
+    ap.add_argument("--quick", "--tiny", action="store_true", help="tiny shapes on the CPU: tests the script")
+    ap.add_argument("--out", default=None, help="output JSON file (default bench/results/moe.json)")
+    args = ap.parse_args(argv)
+    geos, tokens = (QUICK, QUICK_TOKENS) if args.quick else (GEOMETRIES, TOKENS)
+    iters, inner = (2, 2) if args.quick else (args.iters, args.inner)
+    key = jax.random.key(0)
+    read_bw = common.hbm_read_bandwidth(common.TINY_PROBE_GIB if args.quick else 4.0)
+    payload = common.environment(iters=iters, inner=inner, quick=args.quick)
+    payload.update(geometries=geos, tokens=[{"batch": b, "width": w} for b, w in tokens], dtype="bfloat16",
+                   norm_topk_prob=True, read_bandwidth_Bps=read_bw, tolerance_rel=TOLERANCE,
+                   gpu_default_impl=moe.GPU_DEFAULT_IMPL)
+    payload["checks"] = check_agreement(key, geos, tokens)
+    payload["cells"] = time_cells(key, geos, tokens, read_bw, iters, inner)
+    payload["faster_by_T"] = {name: {str(c["T"]): c["faster"] for c in payload["cells"] if c["geometry"] == name}
+                              for name in geos}
+    print(f"\n{'geometry':24s} {'T':>3s} {'distinct':>8s} {'ragged ms':>10s} {'TB/s':>6s} {'gather ms':>10s} "
+          f"{'TB/s':>6s} {'faster':>7s}")
+    for c in payload["cells"]:
+        print(f"{c['geometry']:24s} {c['T']:3d} {c['distinct_experts']:8.1f} {c['ragged_ms']:10.4f} "
+              f"{c['ragged_TBps']:6.2f} {c['gather_ms']:10.4f} {c['gather_TBps']:6.2f} {c['faster']:>7s}")
+    out = args.out or os.path.join(common.RESULTS, "moe_quick.json" if args.quick else "moe.json")
+    common.write_json(os.path.basename(out), payload, os.path.dirname(os.path.abspath(out)))
+    failed = [f"{c['geometry']} T={c['T']}" for c in payload["checks"] if not c["ok"]]
+    if failed:
+        print(f"FAIL: ragged disagrees with gather beyond {TOLERANCE} (relative) at: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Sparse mixture-of-experts block of the hybrid Qwen3.5-MoE / Qwen3-Next targets.
+
+Semantics of transformers' `Qwen3NextSparseMoeBlock`: router logits `x @ router` in x's dtype,
+softmax in float32, top-k, optionally renormalised to sum 1, weights cast to x's dtype. Each chosen
+expert e is a SwiGLU MLP (`w_gate_up[e] [H, 2I]`, `w_down[e] [I, H]`); the block output is
+`sum_k weight_k * expert_k(x) + sigmoid(x @ shared_gate) * shared_swiglu(x)`. Weights are `[in, out]`.
+
+The routed experts have two implementations (`MOE_IMPLS`), both accumulating in float32:
+- `"ragged"`: the T*k (token, expert) rows sorted by expert and multiplied by `jax.lax.ragged_dot`
+  with one group per expert, then un-sorted (a gather, so the sum over k keeps a fixed order).
+- `"gather"`: each token's k experts' weights gathered (`[T, k, H, 2I]`) and contracted by einsum.
+"""
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.targets.layers import exact, matmul, swiglu
+
+MOE_IMPLS = ("ragged", "gather")
+
+# The impl a model uses on a GPU when none is asked for: a first guess until `bench/moe.py` has run on
+# the H200 (the lead sets it from that measurement).
+GPU_DEFAULT_IMPL = "ragged"
+
+PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
+
+
+def default_impl(backend: str | None = None) -> str:
+    """`GPU_DEFAULT_IMPL` on a GPU, else `"gather"`: off a GPU `ragged_dot` multiplies every row by every
+    expert (a dense `[E, T*k, H]` expansion), while the gather touches only the chosen ones."""
+    return GPU_DEFAULT_IMPL if (backend or jax.default_backend()) == "gpu" else "gather"
+
+
+def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing of tokens `x [T, H]` by `w_router [H, E]`: (weights `[T, k]` in x.dtype, experts int32 `[T, k]`).
+
+    Probabilities are a float32 softmax of the logits; with `norm_topk_prob` the k chosen ones are
+    rescaled to sum 1, else they keep their share of the whole softmax."""
+    _check_route(x, w_router, top_k, norm_topk_prob)
+    probs = jax.nn.softmax(matmul(x, w_router).astype(jnp.float32), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, int(top_k))
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), chosen.astype(jnp.int32)
+
+
+def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+            impl: str) -> jax.Array:
+    """`sum_k weights[t, k] * SwiGLU_{idx[t, k]}(x[t])` for tokens `x [T, H]`: `[T, H]` in x.dtype.
+
+    weights `[T, k]`, idx int `[T, k]` in `[0, E)`, w_gate_up `[E, H, 2I]`, w_down `[E, I, H]`. The
+    products accumulate in float32 (full float32 for float32 inputs); the SwiGLU activation is cast to
+    x.dtype before the down projection, as transformers does."""
+    _check_experts(x, weights, idx, w_gate_up, w_down, impl)
+    y = _ragged(x, idx, w_gate_up, w_down) if impl == "ragged" else _gather(x, idx, w_gate_up, w_down)
+    return jnp.sum(weights.astype(jnp.float32)[..., None] * y, axis=1).astype(x.dtype)
+
+
+def _ragged(x, idx, w_gate_up, w_down):
+    """Per-(token, expert) outputs `[T, k, H]` float32 through one grouped matmul per projection."""
+    t, k = idx.shape
+    rows, sizes, order = _rows_by_expert(x, idx, w_gate_up.shape[0])
+    h = jax.lax.ragged_dot(rows, w_gate_up, sizes, precision=exact(x, w_gate_up),
+                           preferred_element_type=jnp.float32)
+    act = _swiglu_act(h, x.dtype)
+    y = jax.lax.ragged_dot(act, w_down, sizes, precision=exact(act, w_down), preferred_element_type=jnp.float32)
+    return jnp.take(y, jnp.argsort(order), axis=0).reshape(t, k, -1)
+
+
+def _rows_by_expert(x, idx, num_experts):
+    """The T*k (token, expert) rows of x sorted by expert, each group in token order; the group sizes
+    `[E]` and the sorting permutation of the flattened idx."""
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return jnp.take(x, order // idx.shape[1], axis=0), sizes, order
+
+
+def _gather(x, idx, w_gate_up, w_down):
+    """Per-(token, expert) outputs `[T, k, H]` float32 from each token's k gathered expert matrices."""
+    up = jnp.take(w_gate_up, idx, axis=0)  # [T, k, H, 2I]
+    h = jnp.einsum("th,tkhi->tki", x, up, precision=exact(x, up), preferred_element_type=jnp.float32)
+    act = _swiglu_act(h, x.dtype)
+    down = jnp.take(w_down, idx, axis=0)  # [T, k, I, H]
+    return jnp.einsum("tki,tkih->tkh", act, down, precision=exact(act, down), preferred_element_type=jnp.float32)
+
+
+def _swiglu_act(h, dtype):
+    gate, up = jnp.split(h.astype(dtype), 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool, impl: str) -> jax.Array:
+    """The sparse MoE block on `x [B, W, H]`: routed experts plus the gated shared expert, `[B, W, H]`.
+
+    params: `router [H, E]`, `w_gate_up [E, H, 2I]`, `w_down [E, I, H]`, `shared_gate_up [H, 2Is]`,
+    `shared_down [Is, H]`, `shared_gate [H, 1]`."""
+    _check_block(x, params, impl)
+    tokens = x.reshape(-1, x.shape[-1])
+    weights, idx = route(tokens, params["router"], top_k, norm_topk_prob)
+    routed = experts(tokens, weights, idx, params["w_gate_up"], params["w_down"], impl)
+    shared = jax.nn.sigmoid(matmul(tokens, params["shared_gate"])) * swiglu(
+        tokens, params["shared_gate_up"], params["shared_down"])
+    return (routed + shared).reshape(x.shape)
+
+
+def _check_impl(impl) -> None:
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe: impl={impl!r} is not supported; choose one of {MOE_IMPLS}.")
+
+
+def _check_float(name: str, a) -> None:
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise ValueError(f"moe: {name} has dtype {a.dtype}; expected a floating dtype.")
+
+
+def _check_route(x, w_router, top_k, norm_topk_prob) -> None:
+    """Refuse bad routing arguments here, with a sentence, instead of deep inside XLA."""
+    if x.ndim != 2 or w_router.ndim != 2 or w_router.shape[0] != x.shape[1]:
+        raise ValueError(f"moe: route takes x [T, H] and router [H, E]; got x {x.shape} and router {w_router.shape}.")
+    _check_float("x", x)
+    _check_float("router", w_router)
+    n_experts = w_router.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= n_experts:
+        raise ValueError(f"moe: top_k={top_k!r} must be an int in [1, {n_experts}] (the router has "
+                         f"{n_experts} experts).")
+    if not isinstance(norm_topk_prob, bool):
+        raise ValueError(f"moe: norm_topk_prob={norm_topk_prob!r} must be True or False.")
+
+
+def _check_experts(x, weights, idx, w_gate_up, w_down, impl) -> None:
+    """Refuse a bad impl, dtype or shape before tracing the products."""
+    _check_impl(impl)
+    if x.ndim != 2 or w_gate_up.ndim != 3 or w_down.ndim != 3:
+        raise ValueError(f"moe: experts take x [T, H], w_gate_up [E, H, 2I] and w_down [E, I, H]; got x {x.shape}, "
+                         f"w_gate_up {w_gate_up.shape}, w_down {w_down.shape}.")
+    e, h, two_i = w_gate_up.shape
+    if h != x.shape[1] or two_i % 2 or w_down.shape != (e, two_i // 2, h):
+        raise ValueError(f"moe: w_gate_up {w_gate_up.shape} and w_down {w_down.shape} do not fit x {x.shape}; "
+                         f"expected [E, {x.shape[1]}, 2I] and [E, I, {x.shape[1]}].")
+    if idx.ndim != 2 or idx.shape[0] != x.shape[0] or weights.shape != idx.shape:
+        raise ValueError(f"moe: weights {weights.shape} and idx {idx.shape} must both be [T, k] with T = "
+                         f"{x.shape[0]} tokens of x {x.shape}.")
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"moe: idx has dtype {idx.dtype}; expected integer expert ids in [0, {e}).")
+    for name, a in (("x", x), ("weights", weights), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        _check_float(name, a)
+
+
+def _check_block(x, params, impl) -> None:
+    _check_impl(impl)
+    missing = [key for key in PARAM_KEYS if key not in params]
+    if missing:
+        raise ValueError(f"moe: params lack {missing}; moe_block needs {list(PARAM_KEYS)}.")
+    if x.ndim != 3:
+        raise ValueError(f"moe: moe_block takes x [B, W, H]; got shape {x.shape}.")
+    router, w_gate_up = params["router"], params["w_gate_up"]
+    if router.ndim != 2 or w_gate_up.ndim != 3 or router.shape[1] != w_gate_up.shape[0]:
+        raise ValueError(f"moe: router {router.shape} and w_gate_up {w_gate_up.shape} must agree on the number of "
+                         "experts E: router [H, E], w_gate_up [E, H, 2I].")
+    h, s = x.shape[-1], params["shared_down"].shape
+    if (params["shared_gate"].shape != (h, 1) or len(s) != 2 or s[1] != h
+            or params["shared_gate_up"].shape != (h, 2 * s[0])):
+        raise ValueError(f"moe: shared expert shapes gate_up {params['shared_gate_up'].shape}, down {s}, gate "
+                         f"{params['shared_gate'].shape} do not fit H = {h}; expected [{h}, 2Is], [Is, {h}], [{h}, 1].")
+
+
+__all__ = ["GPU_DEFAULT_IMPL", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block", "route"]
