@@ -261,7 +261,7 @@ def prefill(target: Target, state, tokens: jax.Array, lengths: jax.Array, chunk:
         # scores constant, and XLA spends seconds constant-folding them
         start = jax.lax.optimization_barrier(state.seq_len)
         kept = jnp.clip(lengths - start, 0, chunk).astype(jnp.int32)
-        h, taps, state, pending = target.extend(state, chunk_tokens, start, tap_ids, impl)
+        h, taps, state, pending = target.extend(state, chunk_tokens, start, tap_ids, impl, valid=kept)
         state = target.commit(state, pending, kept)
         last = (kept > 0) & (start + kept == lengths)
         row = jnp.take_along_axis(h, jnp.maximum(kept - 1, 0)[:, None, None], axis=1)[:, 0]

@@ -15,11 +15,13 @@ from dflash_jax.config import (
     FAMILY_NAMES,
     CheckpointError,
     DrafterConfig,
+    HybridConfig,
     TargetConfig,
     check_tensor_shapes,
     drafter_to_hf_config,
     dtype_name,
     is_ignorable_target_tensor,
+    is_vision_tensor,
     target_config_from_hf,
     target_to_hf_config,
 )
@@ -37,7 +39,7 @@ from dflash_jax.io.safetensors import (
     write_config,
     write_tensors,
 )
-from dflash_jax.targets import dense, dense_names
+from dflash_jax.targets import dense, dense_names, hybrid, hybrid_names
 from dflash_jax.targets.base import Target
 
 
@@ -84,7 +86,8 @@ class Family:
 
 
 _DENSE = Family(dense.DenseTarget, dense.param_shapes, dense_names.name_map, dense.init_params)
-TARGET_FAMILIES = {"qwen3": _DENSE, "llama": _DENSE}
+_HYBRID = Family(hybrid.HybridTarget, hybrid.param_shapes, hybrid_names.name_map, hybrid.init_params)
+TARGET_FAMILIES = {"qwen3": _DENSE, "llama": _DENSE, "qwen3_5": _HYBRID, "qwen3_5_moe": _HYBRID, "qwen3_next": _HYBRID}
 """Target families by `TargetConfig.arch`."""
 DRAFTER_FAMILIES = {
     "dflash": Family(dflash.DFlashDrafter, dflash.param_shapes, dflash_names.name_map, dflash.init_params),
@@ -128,6 +131,8 @@ def inspect_target(path) -> tuple:
     with naming_config(path):
         cfg = target_config_from_hf(config)
     infos = tensor_index(path)
+    if isinstance(cfg, HybridConfig) and any(n.endswith("mlp.experts.gate_up_proj") for n in infos):
+        cfg = dataclasses.replace(cfg, expert_layout="fused")
     found = {n: i.shape for n, i in infos.items() if not is_ignorable_target_tensor(n, cfg)}
     expected = target_tensor_shapes(cfg)
     extra = check_tensor_shapes(expected, found, f"{path}")
@@ -147,8 +152,13 @@ def read_target(path, dtype=None, check_finite: bool = True) -> Target:
     `check_finite` refuses a tensor holding NaN or Inf in that dtype.
     """
     cfg, infos = inspect_target(path)
+    vision = sum(map(is_vision_tensor, infos))
+    if vision:
+        warnings.warn(f"{path}: skipping the vision tower ({vision} tensors under model.visual.*): "
+                      "dflash-jax runs the text model", stacklevel=2)
     with naming_config(path):
-        dtype = load_dtype(dtype, read_config(path), infos, "model.embed_tokens.weight")
+        dtype = load_dtype(dtype, read_config(path), infos, getattr(cfg, "text_prefix", "model.")
+                           + "embed_tokens.weight")
     cfg = dataclasses.replace(cfg, dtype=dtype)
     return target_family(cfg).read(cfg, infos, dtype, check_finite)
 

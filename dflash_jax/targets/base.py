@@ -6,14 +6,15 @@ committed per row); everything else in it belongs to the family (K/V for attenti
 recurrent state for linear-attention layers). Every method is pure and shape-static.
 
 `extend` runs a block and returns `pending`: whatever the family needs to keep any prefix of
-that block. `commit(state, pending, kept)` then keeps the first `kept[b]` positions and drops
+that block (the position itself for a KV cache, the state after every position for recurrent
+layers). `commit(state, pending, kept)` then keeps the first `kept[b]` positions and drops
 the rest; it is the only rollback there is. The loops call `extend` only at
 `start == state.seq_len`.
 """
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +38,15 @@ class Target(struct.PyTreeNode, abc.ABC):
         """`int32[B, T] -> [B, T, H]`: the token embedding as a drafter must see it."""
 
     @abc.abstractmethod
-    def extend(self, state, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla"):
+    def extend(self, state, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla",
+               valid: Optional[jax.Array] = None):
         """Run `tokens [B, W]` at positions `start[b] + i` over `state`.
 
         Returns `(hidden [B, W, H] final-normed, taps [B, W, n_taps*H] or None, state, pending)`;
         `taps` are the outputs of the decoder layers `tap_ids`, concatenated on features.
-        `state.seq_len` is not moved: `commit` decides how much of the block stays.
+        `state.seq_len` is not moved: `commit` decides how much of the block stays. `valid [B]`, when
+        given, promises that `commit` will keep exactly `valid[b]` positions (prefill knows it), so a
+        recurrent family may keep only that state instead of one per position.
         """
 
     @abc.abstractmethod

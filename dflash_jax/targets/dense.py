@@ -180,7 +180,8 @@ class DenseTarget(Target):
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self._apply(DenseLM.embed, tokens)
 
-    def extend(self, state: KVCache, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla"):
+    def extend(self, state: KVCache, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla",
+               valid=None):
         h, taps, state = self._apply(DenseLM.extend, state, tokens, start, tap_ids, impl)
         return h, taps, state, start
 

@@ -1,0 +1,100 @@
+"""Gated DeltaNet, the linear-attention layer of the hybrid targets (docs/architecture.md, "Hybrid targets").
+
+    in_proj -> causal depthwise conv (with state) + SiLU on q|k|v -> L2-normalised q, k
+    -> gated delta rule over the recurrent state (gates g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b))
+    -> gated RMSNorm with z -> out_proj
+
+Pure functions over a parameter dict (`HybridLayer` holds the parameters). The delta rule itself is in
+`pallas_kernels/gated_delta.py`: the chunked form for wide blocks, and per-position states for `extend`, so
+that `commit` can keep any prefix of a verify block. Recurrent state is float32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config.targets import HybridConfig
+from dflash_jax.targets.layers import matmul
+from pallas_kernels.gated_delta import causal_conv, conv_state_at, delta_chunk, delta_rule
+
+GDN_CHUNK = 64
+"""Positions per chunk of the chunked delta rule; a block this wide or wider with `valid` takes that form."""
+
+
+def split_projection(cfg: HybridConfig, p: jax.Array) -> tuple:
+    """The fused input projection `[B, W, P]` -> `(q|k|v [B, W, conv_dim], z [B, W, nv, hv], b, a [B, W, nv])`.
+
+    Qwen3.5 stores q|k|v, z, b, a one after another; Qwen3-Next interleaves q, k, v, z (and b, a) per key head.
+    """
+    b, w = p.shape[:2]
+    nk, nv, hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim
+    kd, vd, r = cfg.key_dim, cfg.value_dim, nv // nk
+    if cfg.arch == "qwen3_next":
+        qkvz = p[..., :2 * kd + 2 * vd].reshape(b, w, nk, 2 * hk + 2 * r * hv)
+        q, k, v, z = jnp.split(qkvz, [hk, 2 * hk, 2 * hk + r * hv], axis=-1)
+        ba = p[..., 2 * kd + 2 * vd:].reshape(b, w, nk, 2 * r)
+        mixed = jnp.concatenate([q.reshape(b, w, kd), k.reshape(b, w, kd), v.reshape(b, w, vd)], axis=-1)
+        return mixed, z.reshape(b, w, nv, hv), ba[..., :r].reshape(b, w, nv), ba[..., r:].reshape(b, w, nv)
+    mixed, z, beta, a = jnp.split(p, [2 * kd + vd, 2 * kd + 2 * vd, 2 * kd + 2 * vd + nv], axis=-1)
+    return mixed, z.reshape(b, w, nv, hv), beta, a
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """`x / sqrt(sum(x^2) + eps)` over the last axis, as the reference kernels compute it."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of `x` times `silu(gate)`, the gate in float32 (transformers' `RMSNormGated`)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return ((weight * xf.astype(x.dtype)) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
+                    valid: Optional[jax.Array] = None) -> tuple:
+    """The layer on normed `x [B, W, H]` after `conv_state [B, K-1, conv_dim]` and `ssm_state f32[B, nv, hk, hv]`.
+
+    Returns `(out [B, W, H], conv, ssm)`. Without `valid`: `conv` is the window `[B, K-1+W, conv_dim]` holding
+    the conv state after every position and `ssm` the state after every position `f32[B, W, nv, hk, hv]`, so
+    that any prefix can be kept. With `valid [B]`: positions from `valid[b]` on are padding (gates masked so
+    they leave the state as it is) and `conv`, `ssm` are the states after the first `valid[b]` positions.
+    """
+    b, w, _ = x.shape
+    nk, nv, hk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    mixed, z, beta, a = split_projection(cfg, matmul(x, p["in_proj"]))
+    y, window = causal_conv(mixed, conv_state, p["conv"])
+    q, k, v = jnp.split(y, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    beta = jax.nn.sigmoid(beta).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32)
+                                                                    + p["dt_bias"].astype(jnp.float32))
+    if valid is not None:
+        live = (jnp.arange(w, dtype=jnp.int32)[None, :] < valid[:, None])[..., None]
+        beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
+    r = nv // nk
+    q = jnp.repeat(l2_normalize(q.reshape(b, w, nk, hk).astype(jnp.float32)), r, axis=2) * hk ** -0.5
+    k = jnp.repeat(l2_normalize(k.reshape(b, w, nk, hk).astype(jnp.float32)), r, axis=2)
+    v = v.reshape(b, w, nv, cfg.linear_value_head_dim).astype(jnp.float32)
+    if valid is None:
+        o, ssm = delta_chunk(ssm_state, q, k, v, g, beta, per_position=True)
+        conv = window
+    else:
+        if w >= GDN_CHUNK:
+            o, ssm = delta_rule(ssm_state, q, k, v, g, beta, chunk=GDN_CHUNK)
+        else:
+            o, ssm = delta_chunk(ssm_state, q, k, v, g, beta, per_position=False)
+        conv = conv_state_at(window, valid, kernel_size=cfg.linear_conv_kernel)
+    o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
+    return matmul(o.reshape(b, w, cfg.value_dim), p["out_proj"]), conv, ssm
+
+
+def forward(cfg: HybridConfig, p: dict, x: jax.Array) -> jax.Array:
+    """The layer over a whole sequence from empty state (the uncached forward): the chunked delta rule."""
+    b, t, _ = x.shape
+    conv0 = jnp.zeros((b, cfg.linear_conv_kernel - 1, cfg.conv_dim), x.dtype)
+    ssm0 = jnp.zeros((b, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                     jnp.float32)
+    return gated_delta_net(cfg, p, x, conv0, ssm0, valid=jnp.full((b,), t, jnp.int32))[0]

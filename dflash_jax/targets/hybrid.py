@@ -1,0 +1,307 @@
+"""Hybrid targets (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) behind the Target interface (docs/architecture.md,
+"Hybrid targets").
+
+`HybridLM` interleaves Gated DeltaNet layers (`gdn.py`: conv and recurrent state) with gated full-attention
+layers (a per-head output gate, zero-centred q/k norms, partial rotary; a KV cache), each followed by a SwiGLU
+MLP or a mixture of experts with a shared expert (`moe.py`). Layers are unrolled in Python, as in `dense.py`.
+
+Rollback is `commit` alone. `extend` writes the attention layers' K/V at `start` and returns as `pending`
+the linear layers' conv and recurrent state after every position of the block; `commit` moves `seq_len` and
+selects, per row, the state after the last kept position. No replay, no copy-back. Prefill passes `valid`
+(the prompt positions of the chunk), and `pending` is then the state after them: a per-position state of
+a 512-token chunk would not fit.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import struct
+
+from dflash_jax.cache import write_rows
+from dflash_jax.config.targets import HybridConfig
+from dflash_jax.targets import gdn, moe
+from dflash_jax.targets.base import Target
+from dflash_jax.targets.layers import (
+    INIT_STD,
+    apply_rope,
+    block_attention,
+    init_module,
+    masked_attention,
+    matmul,
+    merge_heads,
+    rope_frequencies,
+    split_heads,
+    swiglu,
+)
+from pallas_kernels.gated_delta import conv_state_at
+
+_ones, _zeros, _normal = nn.initializers.ones, nn.initializers.zeros, nn.initializers.normal(INIT_STD)
+
+
+def _a_log(key, shape, dtype=jnp.float32):
+    """log(A) with A uniform in [1, 16): decays of a few positions to a few hundred, as trained models have."""
+    return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+@struct.dataclass
+class HybridState:
+    """`k, v`: per attention layer `[B, capacity, n_kv, head_dim]`; `conv`: per linear layer the last K-1 conv
+    inputs `[B, K-1, conv_dim]`; `ssm`: per linear layer the recurrent state `f32[B, nv, hk, hv]`;
+    `seq_len: int32[B]` positions committed."""
+
+    k: tuple
+    v: tuple
+    conv: tuple
+    ssm: tuple
+    seq_len: jax.Array
+
+
+@struct.dataclass
+class HybridPending:
+    """What `commit` needs: the block's `start`, and per linear layer either the states after every position
+    (`per_position`: conv windows `[B, K-1+W, C]`, recurrent states `[B, W, nv, hk, hv]`) or the states after
+    the block's `valid` positions."""
+
+    start: jax.Array
+    conv: tuple
+    ssm: tuple
+    per_position: bool = struct.field(pytree_node=False)
+
+
+def centred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm scaled by `1 + weight`, in float32 (the hybrids store norm weights centred on zero)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _rope(cfg: HybridConfig) -> tuple[np.ndarray, float]:
+    return rope_frequencies(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
+
+
+def partial_rope(x: jax.Array, positions: jax.Array, cfg: HybridConfig) -> jax.Array:
+    """RoPE on the leading `rotary_dim` channels of each head; the rest pass through."""
+    inv_freq, scale = _rope(cfg)
+    rd = cfg.rotary_dim
+    return jnp.concatenate([apply_rope(x[..., :rd], positions, inv_freq, scale), x[..., rd:]], axis=-1)
+
+
+class HybridLayer(nn.Module):
+    """One pre-norm layer: a token mixer (`kind` 'linear_attention' or 'full_attention'), then an MLP
+    (experts when `moe`). `__call__(x, mix)` runs it with `mix(layer, normed x) -> (out, aux)`."""
+
+    cfg: HybridConfig
+    kind: str
+    moe: bool
+
+    def setup(self):
+        c, h = self.cfg, self.cfg.hidden_size
+        self.attn_norm = self.param("attn_norm", _zeros, (h,))
+        self.mlp_norm = self.param("mlp_norm", _zeros, (h,))
+        if self.kind == "linear_attention":
+            nv = c.linear_num_value_heads
+            self.in_proj = self.param("in_proj", _normal, (h, 2 * c.key_dim + 2 * c.value_dim + 2 * nv))
+            self.conv = self.param("conv", _normal, (c.conv_dim, 1, c.linear_conv_kernel))
+            self.dt_bias = self.param("dt_bias", _ones, (nv,))
+            self.A_log = self.param("A_log", _a_log, (nv,))
+            self.norm = self.param("norm", _ones, (c.linear_value_head_dim,))
+            self.out_proj = self.param("out_proj", _normal, (c.value_dim, h))
+        else:
+            self.wqkv = self.param("wqkv", _normal, (h, 2 * c.q_width + 2 * c.kv_width))
+            self.wo = self.param("wo", _normal, (c.q_width, h))
+            self.q_norm = self.param("q_norm", _zeros, (c.head_dim,))
+            self.k_norm = self.param("k_norm", _zeros, (c.head_dim,))
+        if self.moe:
+            e, i, s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+            self.router = self.param("router", _normal, (h, e))
+            self.w_gate_up = self.param("w_gate_up", _normal, (e, h, 2 * i))
+            self.w_down = self.param("w_down", _normal, (e, i, h))
+            self.shared_gate_up = self.param("shared_gate_up", _normal, (h, 2 * s))
+            self.shared_down = self.param("shared_down", _normal, (s, h))
+            self.shared_gate = self.param("shared_gate", _normal, (h, 1))
+        else:
+            self.w_gate_up = self.param("w_gate_up", _normal, (h, 2 * c.intermediate_size))
+            self.w_down = self.param("w_down", _normal, (c.intermediate_size, h))
+
+    def __call__(self, x: jax.Array, mix):
+        c = self.cfg
+        o, aux = mix(self, centred_rms_norm(x, self.attn_norm, c.rms_norm_eps))
+        x = x + o
+        return x + self.mlp(centred_rms_norm(x, self.mlp_norm, c.rms_norm_eps)), aux
+
+    def attention(self, x: jax.Array, positions: jax.Array, attend) -> tuple:
+        """Gated attention: `(out, k, v)`, `attend(q, k, v)` over whatever context; the output is scaled by
+        `sigmoid(gate)`, the gate projected beside each head's query."""
+        c = self.cfg
+        b, w, _ = x.shape
+        qg, k, v = jnp.split(matmul(x, self.wqkv), [2 * c.q_width, 2 * c.q_width + c.kv_width], axis=-1)
+        qg = qg.reshape(b, w, c.num_heads, 2 * c.head_dim)
+        q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(b, w, c.q_width)
+        q = partial_rope(centred_rms_norm(q, self.q_norm, c.rms_norm_eps), positions, c)
+        k = partial_rope(centred_rms_norm(split_heads(k, c.head_dim), self.k_norm, c.rms_norm_eps), positions, c)
+        v = split_heads(v, c.head_dim)
+        o = merge_heads(attend(q, k, v)) * jax.nn.sigmoid(gate)
+        return matmul(o, self.wo), k, v
+
+    def linear_params(self) -> dict:
+        return {n: getattr(self, n) for n in ("in_proj", "conv", "dt_bias", "A_log", "norm", "out_proj")}
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        if not self.moe:
+            return swiglu(x, self.w_gate_up, self.w_down)
+        c = self.cfg
+        params = {n: getattr(self, n) for n in ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down",
+                                                "shared_gate")}
+        return moe.moe_block(x, params, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+                             impl=moe.default_impl())
+
+
+class HybridLM(nn.Module):
+    """Embedding, `num_layers` HybridLayers (`layers_{i}`), final norm, LM head (tied or not)."""
+
+    cfg: HybridConfig
+
+    def setup(self):
+        c = self.cfg
+        self.embedding = self.param("embed", _normal, (c.vocab_size, c.hidden_size))
+        self.layers = [HybridLayer(c, kind, moe_layer) for kind, moe_layer in zip(c.layer_types, c.moe_layers)]
+        self.final_norm = self.param("final_norm", _zeros, (c.hidden_size,))
+        if not c.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", _normal, (c.hidden_size, c.vocab_size))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding, tokens, axis=0)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states, in float32."""
+        w = self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head
+        return matmul(h, w, preferred_element_type=jnp.float32)
+
+    def forward(self, tokens: jax.Array, tap_ids: tuple = ()):
+        """Uncached causal forward: `(h [B, T, H] final-normed, taps or None)`."""
+        c = self.cfg
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        scale = c.head_dim ** -0.5
+
+        def attention(layer, h):
+            return layer.attention(h, positions, lambda q, k, v: masked_attention(q, k, v, mask, scale))[0], None
+
+        def linear(layer, h):
+            return gdn.forward(c, layer.linear_params(), h), None
+
+        x, outputs = self.embed(tokens), []
+        for layer in self.layers:
+            x, _ = layer(x, linear if layer.kind == "linear_attention" else attention)
+            outputs.append(x)
+        return centred_rms_norm(x, self.final_norm, c.rms_norm_eps), _taps(outputs, tap_ids)
+
+    def extend(self, state: HybridState, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (),
+               impl: str = "xla", valid: Optional[jax.Array] = None):
+        """Block `tokens [B, W]` at positions `start[b] + i`: `(h, taps, state, pending)` (module docstring)."""
+        c = self.cfg
+        b, w = tokens.shape
+        chex.assert_shape(start, (b,))
+        positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+        x, outputs = self.embed(tokens), []
+        ks, vs, convs, ssms = [], [], [], []
+        for layer in self.layers:
+            if layer.kind == "linear_attention":
+                n = len(convs)
+
+                def linear(lyr, h, n=n):
+                    o, conv, ssm = gdn.gated_delta_net(c, lyr.linear_params(), h, state.conv[n], state.ssm[n], valid)
+                    return o, (conv, ssm)
+
+                x, (conv, ssm) = layer(x, linear)
+                convs.append(conv)
+                ssms.append(ssm)
+            else:
+                kc, vc = state.k[len(ks)], state.v[len(ks)]
+
+                def attention(lyr, h, kc=kc, vc=vc):
+                    o, k, v = lyr.attention(h, positions, lambda q, k, v: block_attention(
+                        q, kc, vc, start, k, v, scale=c.head_dim ** -0.5, causal=True, impl=impl))
+                    return o, (k, v)
+
+                x, (k, v) = layer(x, attention)
+                ks.append(write_rows(kc, k, start))
+                vs.append(write_rows(vc, v, start))
+            outputs.append(x)
+        pending = HybridPending(start=start, conv=tuple(convs), ssm=tuple(ssms), per_position=valid is None)
+        h = centred_rms_norm(x, self.final_norm, c.rms_norm_eps)
+        return h, _taps(outputs, tap_ids), state.replace(k=tuple(ks), v=tuple(vs)), pending
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits of an uncached forward (what `init` traces to create every parameter)."""
+        return self.logits(self.forward(tokens)[0])
+
+
+def _taps(outputs: list, tap_ids: tuple):
+    return jnp.concatenate([outputs[i] for i in tap_ids], axis=-1) if tap_ids else None
+
+
+def init_params(cfg: HybridConfig, seed: int = 0) -> dict:
+    """Float32 params: N(0, 0.02) weights, centred norms zero, the gated norm one, `A_log` as `_a_log`."""
+    return init_module(HybridLM, cfg, seed, jnp.zeros((1, 1), jnp.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def param_shapes(cfg: HybridConfig):
+    """The parameter pytree of `cfg` as `ShapeDtypeStruct`s, straight from the module."""
+    return jax.eval_shape(functools.partial(init_params, cfg, 0))
+
+
+def select_states(old: jax.Array, states: jax.Array, kept: jax.Array) -> jax.Array:
+    """Per row, `states[b, kept[b] - 1]` (the state after the last kept position), or `old[b]` when none is kept."""
+    b = states.shape[0]
+    picked = states[jnp.arange(b), jnp.maximum(kept - 1, 0)]
+    return jnp.where((kept > 0).reshape((b,) + (1,) * (old.ndim - 1)), picked, old)
+
+
+class HybridTarget(Target):
+    """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next target (`config` a `HybridConfig`): `HybridLM` applied purely."""
+
+    def _apply(self, method, *args):
+        return HybridLM(self.config).apply({"params": self.params}, *args, method=method)
+
+    def init_state(self, batch: int, capacity: int) -> HybridState:
+        c = self.config
+        dtype = self.params["embed"].dtype
+        kv = (batch, capacity, c.num_kv_heads, c.head_dim)
+        n_attn, n_lin = len(c.attention_layers), len(c.linear_layers)
+        ssm = (batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        return HybridState(
+            k=tuple(jnp.zeros(kv, dtype) for _ in range(n_attn)), v=tuple(jnp.zeros(kv, dtype) for _ in range(n_attn)),
+            conv=tuple(jnp.zeros((batch, c.linear_conv_kernel - 1, c.conv_dim), dtype) for _ in range(n_lin)),
+            ssm=tuple(jnp.zeros(ssm, jnp.float32) for _ in range(n_lin)), seq_len=jnp.zeros((batch,), jnp.int32))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return self._apply(HybridLM.embed, tokens)
+
+    def extend(self, state: HybridState, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla",
+               valid: Optional[jax.Array] = None):
+        return self._apply(HybridLM.extend, state, tokens, start, tap_ids, impl, valid)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        return self._apply(HybridLM.logits, hidden)
+
+    def commit(self, state: HybridState, pending: HybridPending, kept: jax.Array) -> HybridState:
+        kept = kept.astype(jnp.int32)
+        if pending.per_position:
+            conv = tuple(conv_state_at(window, kept, kernel_size=self.config.linear_conv_kernel) for window in pending.conv)
+            ssm = tuple(select_states(old, states, kept) for old, states in zip(state.ssm, pending.ssm))
+        else:
+            conv, ssm = pending.conv, pending.ssm
+        return state.replace(conv=conv, ssm=ssm, seq_len=(pending.start + kept).astype(jnp.int32))
+
+    def forward(self, tokens: jax.Array, tap_ids: tuple = ()) -> tuple:
+        return self._apply(HybridLM.forward, tokens, tap_ids)

@@ -1,0 +1,312 @@
+"""Hybrid targets (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) against transformers, their rollback, and lossless decoding.
+
+The oracle for logits is external: transformers builds a random model of each family from a config, saves it,
+and we load that folder with `load_target`. Rollback has its own oracle, the original's `CKPT_GATE` as a test:
+after every round of a speculative run, the state `commit` selects from the per-position states must equal,
+bit for bit, a replay of the kept prefix from the pre-verify state.
+"""
+import functools
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+import dflash_jax
+from dflash_jax.config import CheckpointError, target_config_from_hf
+from dflash_jax.io.checkpoints import write_target
+from conftest import inject_reference, tiny_drafter
+
+VOCAB = 97
+LAYERS = ["linear_attention", "full_attention", "linear_attention"]
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=1024, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+              linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=LAYERS)
+EXPERTS = dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+CONFIGS = {
+    "qwen3_5": (transformers.Qwen3_5TextConfig, dict(intermediate_size=96, tie_word_embeddings=True)),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, dict(num_experts_per_tok=2, **EXPERTS)),
+    "qwen3_next": (transformers.Qwen3NextConfig, dict(
+        intermediate_size=96, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **EXPERTS)),
+}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(12, 90))]
+MAX_NEW = 20
+
+
+def _perturb_norms(model):
+    """Make norm weights non-trivial (transformers starts centred norms at zero) so a missing one would show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+
+
+@functools.cache
+def _saved(name: str, tmp_root: str):
+    cls, extra = CONFIGS[name]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**COMMON, **extra)).float().eval()
+    _perturb_norms(model)
+    path = f"{tmp_root}/{name}"
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(transformers model, our Target, folder) for one config, with the same random weights."""
+    model, path = _saved(request.param, str(tmp_path_factory.getbasetemp()))
+    return model, dflash_jax.load_target(path, dtype="float32"), path
+
+
+def _tokens(b, t, seed=0):
+    return np.random.RandomState(seed).randint(0, VOCAB, (b, t))
+
+
+def _max_rel_err(ours, ref):
+    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
+
+
+def test_logits_and_taps_match_transformers_across_several_delta_rule_chunks(pair):
+    model, target, _ = pair
+    tokens = _tokens(2, 150)  # the uncached forward runs the chunked delta rule in 64-position chunks
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), output_hidden_states=True)
+    err = _max_rel_err(target.full_logits(tokens), out.logits.numpy())
+    assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
+    _, taps = jax.jit(target.forward, static_argnums=1)(jnp.asarray(tokens, jnp.int32), (0, 1))
+    h = target.config.hidden_size
+    for i in range(2):
+        np.testing.assert_allclose(np.asarray(taps[..., i * h:(i + 1) * h]), out.hidden_states[i + 1].numpy(),
+                                   atol=2e-5, rtol=1e-4, err_msg=f"tap of layer {i} must be hidden_states[{i + 1}]")
+
+
+def test_moe_routing_is_not_trivial(pair):
+    model, target, _ = pair
+    if not target.config.num_experts:
+        pytest.skip("dense MLPs")
+    with torch.no_grad():
+        logits = model(torch.tensor(_tokens(1, 40)), output_router_logits=True).router_logits[0]
+    chosen = {tuple(sorted(r)) for r in torch.topk(logits, target.config.num_experts_per_tok).indices.tolist()}
+    assert len(chosen) > 5, f"tokens should pick different experts; picked {chosen}"
+
+
+@jax.jit
+def _extend_commit(target, state, block, start, kept):
+    h, _, state, pending = target.extend(state, block, start)
+    return target.logits(h), target.commit(state, pending, kept)
+
+
+@jax.jit
+def _prefill(target, state, block, kept):
+    h, _, state, pending = target.extend(state, block, jnp.zeros_like(kept), valid=kept)
+    return target.logits(h), target.commit(state, pending, kept)
+
+
+def test_prefill_then_partly_kept_blocks_equal_the_uncached_forward(pair):
+    """A ragged prefill wider than a delta-rule chunk, then verify blocks of widths 1, 3 and 8 of which only a prefix is
+    kept (the rest rolled back by `commit`): every kept position's logits equal the uncached forward's."""
+    _, target, _ = pair
+    tokens = _tokens(2, 200, seed=2)
+    full = np.asarray(target.full_logits(tokens))
+    tol = 1e-4 * np.abs(full).max()
+    lengths = np.array([70, 9])
+    state = target.init_state(2, 256)
+    logits, state = _prefill(target, state, jnp.asarray(tokens[:, :128], jnp.int32), jnp.asarray(lengths, jnp.int32))
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
+    pos = lengths.copy()
+    for width in (1, 3, 8):
+        block = np.stack([tokens[i, p:p + width] for i, p in enumerate(pos)])
+        kept = np.array([width, max(width // 2, 1) if width % 3 else 0])
+        logits, state = _extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
+                                       jnp.asarray(kept, jnp.int32))
+        for i, p in enumerate(pos):
+            np.testing.assert_allclose(np.asarray(logits[i]), full[i, p:p + width], atol=tol, rtol=0,
+                                       err_msg=f"width {width} row {i}")
+        pos += kept
+        np.testing.assert_array_equal(np.asarray(state.seq_len), pos)
+
+
+@jax.jit
+def _round(target, state, block, start):
+    """A verify: greedy acceptance of `block[:, 1:]` against the target's argmax, and the state `commit` keeps."""
+    h, _, verified, pending = target.extend(state, block, start)
+    choice = jnp.argmax(target.logits(h), axis=-1)
+    kept = 1 + jnp.sum(jnp.cumprod((block[:, 1:] == choice[:, :-1]).astype(jnp.int32), axis=-1), axis=-1)
+    return kept, choice, target.commit(verified, pending, kept)
+
+
+@jax.jit
+def _replay(target, state, block, start, kept):
+    """The oracle: from the pre-verify state, run the block again keeping only its first `kept` positions."""
+    _, _, state, pending = target.extend(state, block, start, valid=kept)
+    return target.commit(state, pending, kept)
+
+
+def _assert_same_state(a, b):
+    """Bit-identical recurrent states and seq_len, and K/V at every committed position (rows past `seq_len` hold
+    the rolled-back tail of a block, masked and overwritten later)."""
+    np.testing.assert_array_equal(np.asarray(a.seq_len), np.asarray(b.seq_len))
+    for name in ("conv", "ssm"):
+        for i, (x, y) in enumerate(zip(getattr(a, name), getattr(b, name))):
+            assert np.array_equal(np.asarray(x), np.asarray(y)), f"{name} state of linear layer {i} differs"
+    held = np.arange(a.k[0].shape[1])[None, :] < np.asarray(a.seq_len)[:, None]
+    for name in ("k", "v"):
+        for i, (x, y) in enumerate(zip(getattr(a, name), getattr(b, name))):
+            assert np.array_equal(np.asarray(x)[held], np.asarray(y)[held]), f"{name} of attention layer {i} differs"
+
+
+def test_replay_oracle_gives_bit_identical_states_after_every_round(pair):
+    """The original's CKPT_GATE as a test: a speculative run at batch 3 with ragged prompts and proposals copied
+    from the greedy continuation with a wrong token at a chosen slot (every acceptance length 0..nd occurs)."""
+    _, target, _ = pair
+    nd, rounds = 7, 8
+    plain = dflash_jax.generate(target, None, PROMPTS, max_new_tokens=rounds * (nd + 1) + 1).tokens
+    seqs = [p + t for p, t in zip(PROMPTS, plain)]
+    state = target.init_state(3, 192)
+    lengths = np.array([len(p) - 1 for p in PROMPTS])  # prefill all but the last prompt token (the first anchor)
+    width = 128
+    block = np.zeros((3, width), np.int32)
+    for i, p in enumerate(PROMPTS):
+        block[i, :lengths[i]] = p[:-1]
+    _, state = _prefill(target, state, jnp.asarray(block), jnp.asarray(lengths, jnp.int32))
+    pos, seen = lengths.copy(), set()
+    for r in range(rounds):
+        block = np.zeros((3, nd + 1), np.int32)
+        for i, s in enumerate(seqs):
+            block[i] = s[pos[i]:pos[i] + nd + 1]
+            wrong = (r + 3 * i) % (nd + 1) + 1  # the first wrong draft; nd + 1: none
+            if wrong <= nd:
+                block[i, wrong] = (block[i, wrong] + 1) % VOCAB
+        start = jnp.asarray(pos, jnp.int32)
+        kept, _, committed = _round(target, state, jnp.asarray(block), start)
+        replayed = _replay(target, state, jnp.asarray(block), start, kept)
+        _assert_same_state(committed, replayed)
+        seen.update((np.asarray(kept) - 1).tolist())
+        state, pos = committed, pos + np.asarray(kept)
+    assert seen == set(range(nd + 1)), f"acceptance lengths seen {sorted(seen)}, want 0..{nd}"
+
+
+def test_greedy_speculative_equals_plain_at_batch_one_and_three(pair):
+    """A random DFlash drafter (accepts almost nothing) and injected proposals (every acceptance length 0..nd),
+    at batch 3 with ragged prompts and batch 1."""
+    _, target, _ = pair
+    plain = dflash_jax.generate(target, None, PROMPTS, max_new_tokens=MAX_NEW).tokens
+    drafter = tiny_drafter(target, 8, tap_ids=(0, 2))
+    nd = drafter.config.n_drafts
+    assert dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens == plain
+    assert dflash_jax.generate(target, drafter, PROMPTS[2:], max_new_tokens=MAX_NEW).tokens == plain[2:]
+    for prompts, ref in ((PROMPTS[2:], plain[2:]), (PROMPTS * 2, plain * 2)):
+        out = dflash_jax.Session(target, drafter, prompts, max_new_tokens=MAX_NEW,
+                                 inject=inject_reference(ref, MAX_NEW, nd, [1] * (nd + 1))).run()
+        assert out.tokens == ref, "output must not depend on what was proposed"
+    assert all(h > 0 for h in out.stats.accept_hist), f"every length 0..{nd}: {out.stats.accept_hist}"
+
+
+def test_greedy_generate_equals_transformers_generate(pair):
+    model, target, _ = pair
+    prompt = [5, 6, 7, 8, 9]
+    ours = dflash_jax.generate(target, None, [prompt], max_new_tokens=10).tokens[0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == ref
+
+
+def test_written_target_reads_back_identically(pair, tmp_path):
+    _, target, _ = pair
+    write_target(tmp_path / "out", target, dtype="float32")
+    again = dflash_jax.load_target(tmp_path / "out")
+    assert again.config == target.config
+    for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fused_expert_checkpoint_loads_like_the_per_expert_one(tmp_path_factory):
+    """Published Qwen3.5-MoE files stack experts (`mlp.experts.gate_up_proj [E, 2I, H]`); transformers' own
+    save writes one tensor per expert. Both load to the same target."""
+    _, path = _saved("qwen3_5_moe", str(tmp_path_factory.getbasetemp()))
+    tensors = load_file(f"{path}/model.safetensors")
+    fused, e = {}, EXPERTS["num_experts"]
+    for name, x in tensors.items():
+        if ".mlp.experts." not in name:
+            fused[name] = x
+        elif name.endswith(".0.gate_proj.weight"):
+            prefix = name[:-len("0.gate_proj.weight")]
+            fused[prefix + "gate_up_proj"] = np.stack([np.concatenate(
+                [tensors[f"{prefix}{i}.gate_proj.weight"], tensors[f"{prefix}{i}.up_proj.weight"]]) for i in range(e)])
+            fused[prefix + "down_proj"] = np.stack([tensors[f"{prefix}{i}.down_proj.weight"] for i in range(e)])
+    out = tmp_path_factory.mktemp("fused")
+    save_file(fused, str(out / "model.safetensors"))
+    (out / "config.json").write_text(open(f"{path}/config.json").read())
+    a, b = dflash_jax.load_target(path), dflash_jax.load_target(out)
+    assert b.config.expert_layout == "fused"
+    tokens = _tokens(1, 12)
+    np.testing.assert_array_equal(np.asarray(a.full_logits(tokens)), np.asarray(b.full_logits(tokens)))
+
+
+def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_vision_tower(tmp_path):
+    text = dict(COMMON, intermediate_size=96)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
+    torch.manual_seed(1)
+    model = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).float().eval()
+    _perturb_norms(model)
+    model.save_pretrained(tmp_path)
+    names = json.loads((tmp_path / "config.json").read_text())["architectures"]
+    assert names == ["Qwen3_5ForConditionalGeneration"]
+    with pytest.warns(UserWarning, match=r"skipping the vision tower \(\d+ tensors"):
+        target = dflash_jax.load_target(tmp_path)
+    assert target.config.text_prefix == "model.language_model."
+    tokens = _tokens(2, 30, seed=5)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+    err = _max_rel_err(target.full_logits(tokens), ref)
+    assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
+
+
+def _hf(**changes):
+    d = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", intermediate_size=96, **COMMON,
+             **EXPERTS, num_experts_per_tok=2)
+    d.update(changes)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
+     r"layer_types has \['sliding_attention'\]; supported layer types: linear_attention, full_attention"),
+    (dict(layer_types=["full_attention"] * 2), "layer_types has 2 entries but num_hidden_layers is 3"),
+    (dict(attention_bias=True), "attention_bias: true; only bias-free"),
+    (dict(attn_output_gate=False), "attn_output_gate: false; only gated attention"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok 9 exceeds num_experts 8"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"),
+    (dict(partial_rotary_factor=0.1), "odd rotary width"),
+    (dict(partial_rotary_factor=1.5), r"partial_rotary_factor 1.5: expected a fraction"),
+    (dict(mlp_only_layers="all"), "mlp_only_layers 'all'"),
+    (dict(model_type="qwen3_5_text"), "contradictory target config"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "rope type 'dynamic' is not supported"),
+])
+def test_unsupported_hybrid_configs_are_refused_by_name(changes, match):
+    with pytest.raises(CheckpointError, match=match):
+        target_config_from_hf(_hf(**changes))
+
+
+def test_hybrid_census_reads_transformers_defaults():
+    cfg = target_config_from_hf(_hf(layer_types=None, full_attention_interval=2, mlp_only_layers=[0]))
+    assert cfg.layer_types == ("linear_attention", "full_attention", "linear_attention")
+    assert cfg.moe_layers == (False, True, True) and cfg.rotary_dim == 4
+    conditional = target_config_from_hf({"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                                         "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
+                                         "text_config": dict(COMMON, **EXPERTS, model_type="qwen3_5_moe_text",
+                                                             norm_topk_prob=False)})
+    assert conditional.arch == "qwen3_5_moe" and conditional.text_prefix == "model.language_model."
+    assert conditional.norm_topk_prob, "Qwen3.5-MoE always renormalises its top-k weights"
