@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig
+from dflash_jax.config import DrafterConfig, HybridConfig, RopeConfig, TargetConfig
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.io.checkpoints import drafter_family, make_drafter, make_target, target_family
 from dflash_jax.targets.base import Target
@@ -42,6 +42,20 @@ def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 3, hidden: int = 3
                        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
                        rope=RopeConfig(10000.0), max_position_embeddings=1024)
     return make_target(cfg, random_params(target_param_shapes(cfg), seed))
+
+
+def tiny_hybrid(seed: int = 0, vocab: int = 64, hidden: int = 32) -> Target:
+    """A Qwen3.5-style hybrid: a Gated DeltaNet layer, then a gated attention layer."""
+    cfg = HybridConfig(arch="qwen3_5", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(10000.0),
+                       max_position_embeddings=1024, layer_types=("linear_attention", "full_attention"),
+                       rotary_dim=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=8, moe_layers=(False, False))
+    centred = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")  # scaled by 1 + w: keep 1 + w near 1
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x - 1.0 if getattr(path[-1], "key", None) in centred else x,
+        random_params(target_param_shapes(cfg), seed))
+    return make_target(cfg, params)
 
 
 def tiny_drafter(target: Target, block_size: int, seed: int = 1, windows=(None, None), causal=(False, False),
@@ -118,8 +132,8 @@ def biased_target(base: Target, params: dict, bias_dim_size: float, bias_slope: 
     """`base`'s family over `params`, with a token bias its drafters share: hidden dim 0 of every
     embedding is raised by `bias_dim_size`, LM head row 0 gives token t the logit -bias_slope * t
     along it, and rows 1.. (the context-dependent part of the logits) are scaled by `context_scale`."""
-    bias_row = -bias_slope * np.arange(base.config.vocab_size) / (np.sqrt(base.config.hidden_size)
-                                                                  * params["final_norm"][0])
+    norm = params["final_norm"][0] + (1.0 if isinstance(base.config, HybridConfig) else 0.0)  # hybrids: 1 + w
+    bias_row = -bias_slope * np.arange(base.config.vocab_size) / (np.sqrt(base.config.hidden_size) * norm)
     return make_target(base.config, dict(params, embed=params["embed"].at[:, 0].add(bias_dim_size),
                                          lm_head=(context_scale * params["lm_head"]).at[0].set(bias_row)))
 
