@@ -208,9 +208,11 @@ class Cell:
     """One batch x prompt setting: the caches after the prompt, reused by every run.
 
     Every run starts from the state right after the prompt, rebuilt on the host
-    (`initial_spec_state`, `initial_plain_state`) over the same caches; rolling back is
+    (`initial_spec_state`, `initial_plain_state`) over the same caches; rolling back K/V is
     moving `seq_len`, as in the library. The caches travel with `state`, which each run
-    donates and replaces, so a cell holds one copy of them.
+    donates and replaces, so a cell holds one copy of them. A hybrid target's recurrent state
+    (`conv`, `ssm`) cannot be rolled back by `seq_len`: `recurrent` keeps its value after the
+    prompt, and every run starts from a copy of it.
     """
 
     target: Target
@@ -223,6 +225,18 @@ class Cell:
     state: spec.SpecState
     context: str
     prefill_s: float
+    recurrent: Optional[dict] = None
+
+    def __post_init__(self):
+        ts = self.state.target_state
+        if self.recurrent is None and hasattr(ts, "ssm"):
+            self.recurrent = {"conv": jax.tree.map(jnp.copy, ts.conv), "ssm": jax.tree.map(jnp.copy, ts.ssm)}
+
+    def _after_prompt(self, target_state):
+        """`target_state` with its recurrent state back at the prompt's end (fresh buffers: runs donate them)."""
+        if self.recurrent is None:
+            return target_state
+        return target_state.replace(**jax.tree.map(jnp.copy, self.recurrent))
 
     @property
     def batch(self) -> int:
@@ -245,12 +259,14 @@ class Cell:
 
     def spec_state(self, inject: spec.Injected, limit: Optional[int] = None) -> spec.SpecState:
         return initial_spec_state(self.loop, self.drafter, self.first, self.lengths, self.sampling,
-                                  self.state.target_state, self.state.drafter_state, inject, limit)
+                                  self._after_prompt(self.state.target_state), self.state.drafter_state, inject, limit)
 
     def plain_state(self, seq_len: Optional[np.ndarray] = None, token: Optional[np.ndarray] = None) -> PlainState:
         """The plain state after the prompt over the cell's target state (or at `seq_len`, after `token`)."""
         return initial_plain_state(self.plain_loop(), self.first if token is None else token,
-                                   self.lengths if seq_len is None else seq_len, self.sampling, self.state.target_state)
+                                   self.lengths if seq_len is None else seq_len, self.sampling,
+                                   self.state.target_state if seq_len is not None else
+                                   self._after_prompt(self.state.target_state))
 
     def plain_loop(self) -> PlainLoop:
         return PlainLoop(self.new, self.loop.chunk, True, False, self.loop.impl)

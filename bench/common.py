@@ -39,7 +39,9 @@ def drafter_config(target: TargetConfig, block_size: int = 16, num_layers: int =
     """The z-lab DFlash drafter shape for a target (Qwen3-8B: 5 layers, taps [1, 9, 17, 25, 33])."""
     n = target.num_layers
     taps = tuple(round(1 + i * (n - 4) / (num_layers - 1)) for i in range(num_layers)) if num_layers > 1 else (n // 2,)
-    return DrafterConfig(family="dflash", hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+    # an MoE target has no dense MLP width: give the drafter the dense Qwen3.5s' 3 x hidden
+    ffn = target.intermediate_size or 3 * target.hidden_size
+    return DrafterConfig(family="dflash", hidden_size=target.hidden_size, intermediate_size=ffn,
                          num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
                          head_dim=target.head_dim, rms_norm_eps=1e-6, rope=target.rope, block_size=block_size,
                          mask_token_id=target.vocab_size - 1, target_layer_ids=taps,
@@ -83,8 +85,9 @@ def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0) -> Targe
         k_embed)
     params["embed"] = embed
     for layer in (params[f"layers_{i}"] for i in range(cfg.num_layers)):
-        layer["wo"] = layer["wo"] * jnp.asarray(RESIDUAL_SCALE, dtype)
-        layer["w_down"] = layer["w_down"] * jnp.asarray(RESIDUAL_SCALE, dtype)
+        for name in ("wo", "out_proj", "w_down", "shared_down"):  # every output projection, of any family
+            if name in layer:
+                layer[name] = layer[name] * jnp.asarray(RESIDUAL_SCALE, dtype)
     if not cfg.tie_word_embeddings:
         params["lm_head"] = jax.jit(lambda e, k: jnp.take(e, jax.random.permutation(k, e.shape[0]), axis=0).T)(
             embed, k_perm)

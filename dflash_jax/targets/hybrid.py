@@ -61,6 +61,11 @@ class HybridState:
     ssm: tuple
     seq_len: jax.Array
 
+    @property
+    def capacity(self) -> Optional[int]:
+        """Positions the K/V caches hold (None without attention layers: recurrent state has no length)."""
+        return self.k[0].shape[1] if self.k else None
+
 
 @struct.dataclass
 class HybridPending:
