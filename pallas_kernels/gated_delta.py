@@ -12,16 +12,18 @@ v [B, C, H, dv]; g, beta [B, C, H]. Inputs may be bf16; the math is float32 and 
 `delta_chunk` takes C positions at once in the UT (WY) form: the C updates u solve one unit lower-triangular
 system (I + A) u = beta (v - exp(G) k S0), A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for j < i, G = cumsum(g);
 then o_i = exp(G_i) q_i^T S0 + sum_{j <= i} (q_i . k_j) exp(G_i - G_j) u_j. The states are accumulated from u
-position by position (S_i = exp(g_i) S_{i-1} + k_i u_i^T, elementwise work that XLA fuses).
+position by position (S_i = exp(g_i) S_{i-1} + k_i u_i^T), unrolled: elementwise work that XLA fuses into one
+pass over the state.
 
 Per-position states exist for speculative decoding: a verify may keep any prefix of its block, so `extend` returns
 the state after every position and `commit` selects the one at the last kept position (docs/architecture.md,
 "State of each family"). Masking property, bit for bit in float32: a position with beta = 0 and g = 0 leaves the
 state unchanged (its u is an exact zero and its step multiplies by exp(0) = 1), and no row depends on a later one,
-so masking the positions >= n of a block gives, at positions < n, exactly the unmasked states and outputs, and a
-final state equal to the unmasked `states[:, n - 1]`. The final state of `per_position=False` is the carry of the
-same accumulation. `delta_rule` runs a whole prompt chunk by chunk and updates the state with one matmul per chunk
-(fast, not bit-tied to `delta_chunk`).
+so masking the positions >= n of a block gives, at positions < n, exactly the unmasked states and outputs, and
+states after them equal to the unmasked `states[:, n - 1]`. A caller that wants the state after a prefix selects it
+(`state_at`) from the same per-position program: a final-state-only variant would compile to other fused code,
+whose rounding may differ in the last bit. `delta_rule` runs a whole prompt chunk by chunk and updates the state
+with one matmul per chunk (fast, not bit-tied to `delta_chunk`).
 
 `causal_conv` is the depthwise causal conv + SiLU in front of the mixer (Hugging Face `causal_conv1d_fn` /
 `causal_conv1d_update`); `conv_state_at` selects its state after any prefix of a block.
@@ -36,15 +38,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.targets.layers import exact
-
 F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+"""Every product here is float32: full float32 (a GPU would round it through TF32 by default)."""
 
 
-def delta_chunk(state, q, k, v, g, beta, *, per_position: bool):
-    """C positions in the parallel form. Returns `(out f32[B, C, H, dv], states)`: states is the state after
-    every position, f32[B, C, H, dk, dv], when `per_position`, else the final state f32[B, H, dk, dv] (the same
-    arithmetic as `states[:, -1]`)."""
+def delta_chunk(state, q, k, v, g, beta):
+    """C positions in the parallel form. Returns `(out f32[B, C, H, dv], states f32[B, C, H, dk, dv])`, the state
+    after every position."""
     _check_delta("delta_chunk", state, q, k, v, g, beta)
     state, q, k, v, g, beta = (x.astype(F32) for x in (state, q, k, v, g, beta))
     out, u, _ = _chunk(state, q, k, v, g, beta)
@@ -52,11 +53,20 @@ def delta_chunk(state, q, k, v, g, beta, *, per_position: bool):
     def step(s, x):
         g_i, k_i, u_i = x
         s = jnp.exp(g_i)[..., None, None] * s + k_i[..., :, None] * u_i[..., None, :]
-        return s, s if per_position else None
+        return s, s
 
     moved = tuple(jnp.moveaxis(x, 1, 0) for x in (g, k, u))
-    final, states = lax.scan(step, state, moved)
-    return out, jnp.moveaxis(states, 0, 1) if per_position else final
+    # unrolled, the C elementwise steps fuse into one pass over the state instead of C kernels (a verify's 16)
+    _, states = lax.scan(step, state, moved, unroll=True)
+    return out, jnp.moveaxis(states, 0, 1)
+
+
+def state_at(state, states, n):
+    """Per row, the state after the first `n[b]` positions: `states[b, n[b] - 1]`, or `state[b]` for n = 0.
+    state: [B, ...] before the block; states: `delta_chunk`'s [B, C, ...]; n: int[B] in 0..C."""
+    b = states.shape[0]
+    picked = states[jnp.arange(b), jnp.maximum(n - 1, 0)]
+    return jnp.where((n > 0).reshape((b,) + (1,) * (state.ndim - 1)), picked, state)
 
 
 def delta_rule(state, q, k, v, g, beta, *, chunk: int = 64):
@@ -79,7 +89,7 @@ def delta_rule(state, q, k, v, g, beta, *, chunk: int = 64):
         out_c, u, gcum = _chunk(s, q_c, k_c, v_c, g_c, beta_c)
         last = gcum[..., -1:]  # [B, H, 1]
         k_decayed = k_c * jnp.moveaxis(jnp.exp(last - gcum), 1, 2)[..., None]
-        s = jnp.exp(last)[..., None] * s + jnp.einsum("bchk,bchv->bhkv", k_decayed, u, precision=exact(k_decayed))
+        s = jnp.exp(last)[..., None] * s + jnp.einsum("bchk,bchv->bhkv", k_decayed, u, precision=HIGHEST)
         return s, out_c
 
     final, out = lax.scan(step, state.astype(F32), tuple(chunks(x) for x in (q, k, v, g, beta)))
@@ -94,13 +104,16 @@ def _chunk(state, q, k, v, g, beta):
     gcum = jnp.moveaxis(jnp.cumsum(g, axis=1), 1, 2)  # [B, H, C]
     seen = jnp.tril(jnp.ones((c, c), bool))
     decay = jnp.exp(jnp.where(seen, gcum[..., :, None] - gcum[..., None, :], -jnp.inf))  # [B, H, i, j]
-    p = exact(q)
+    p = HIGHEST
     scores = jnp.einsum("bihk,bjhk->bhij", q, k, precision=p) * decay
     a = jnp.einsum("bihk,bjhk->bhij", k, k, precision=p) * decay * jnp.moveaxis(beta, 1, 2)[..., None]
     g_exp = jnp.exp(gcum)[..., None]  # [B, H, C, 1]
     rhs = jnp.moveaxis(beta[..., None] * v, 1, 2) - g_exp * jnp.einsum("bchk,bhkv->bhcv", k * beta[..., None],
                                                                         state, precision=p)
-    u = jax.scipy.linalg.solve_triangular(jnp.where(seen, a, 0.0), rhs, lower=True, unit_diagonal=True)
+    if c == 1:  # one position: the unit-diagonal system is the identity (a decode step skips the solve)
+        u = rhs
+    else:
+        u = jax.scipy.linalg.solve_triangular(jnp.where(seen, a, 0.0), rhs, lower=True, unit_diagonal=True)
     out = g_exp * jnp.einsum("bchk,bhkv->bhcv", q, state, precision=p) + jnp.einsum("bhij,bhjv->bhiv", scores, u,
                                                                                   precision=p)
     return jnp.moveaxis(out, 2, 1), jnp.moveaxis(u, 2, 1), gcum

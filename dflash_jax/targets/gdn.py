@@ -17,10 +17,11 @@ import jax.numpy as jnp
 
 from dflash_jax.config.targets import HybridConfig
 from dflash_jax.targets.layers import matmul
-from pallas_kernels.gated_delta import causal_conv, conv_state_at, delta_chunk, delta_rule
+from pallas_kernels.gated_delta import causal_conv, conv_state_at, delta_chunk, delta_rule, state_at
 
 GDN_CHUNK = 64
-"""Positions per chunk of the chunked delta rule; a block this wide or wider with `valid` takes that form."""
+"""Positions per chunk of the chunked delta rule; a block this wide or wider with `valid` (a prefill chunk) takes
+that form, which keeps one state per chunk instead of one per position."""
 
 
 def split_projection(cfg: HybridConfig, p: jax.Array) -> tuple:
@@ -78,14 +79,13 @@ def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Ar
     q = jnp.repeat(l2_normalize(q.reshape(b, w, nk, hk).astype(jnp.float32)), r, axis=2) * hk ** -0.5
     k = jnp.repeat(l2_normalize(k.reshape(b, w, nk, hk).astype(jnp.float32)), r, axis=2)
     v = v.reshape(b, w, nv, cfg.linear_value_head_dim).astype(jnp.float32)
-    if valid is None:
-        o, ssm = delta_chunk(ssm_state, q, k, v, g, beta, per_position=True)
-        conv = window
+    if valid is not None and w >= GDN_CHUNK:
+        o, ssm = delta_rule(ssm_state, q, k, v, g, beta, chunk=GDN_CHUNK)
     else:
-        if w >= GDN_CHUNK:
-            o, ssm = delta_rule(ssm_state, q, k, v, g, beta, chunk=GDN_CHUNK)
-        else:
-            o, ssm = delta_chunk(ssm_state, q, k, v, g, beta, per_position=False)
+        o, ssm = delta_chunk(ssm_state, q, k, v, g, beta)
+    conv = window
+    if valid is not None:  # a narrow block selects from the same per-position program as a verify: bit for bit
+        ssm = ssm if w >= GDN_CHUNK else state_at(ssm_state, ssm, valid)
         conv = conv_state_at(window, valid, kernel_size=cfg.linear_conv_kernel)
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
     return matmul(o.reshape(b, w, cfg.value_dim), p["out_proj"]), conv, ssm

@@ -39,7 +39,7 @@ from dflash_jax.targets.layers import (
     split_heads,
     swiglu,
 )
-from pallas_kernels.gated_delta import conv_state_at
+from pallas_kernels.gated_delta import conv_state_at, state_at
 
 _ones, _zeros, _normal = nn.initializers.ones, nn.initializers.zeros, nn.initializers.normal(INIT_STD)
 
@@ -265,13 +265,6 @@ def param_shapes(cfg: HybridConfig):
     return jax.eval_shape(functools.partial(init_params, cfg, 0))
 
 
-def select_states(old: jax.Array, states: jax.Array, kept: jax.Array) -> jax.Array:
-    """Per row, `states[b, kept[b] - 1]` (the state after the last kept position), or `old[b]` when none is kept."""
-    b = states.shape[0]
-    picked = states[jnp.arange(b), jnp.maximum(kept - 1, 0)]
-    return jnp.where((kept > 0).reshape((b,) + (1,) * (old.ndim - 1)), picked, old)
-
-
 class HybridTarget(Target):
     """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next target (`config` a `HybridConfig`): `HybridLM` applied purely."""
 
@@ -302,8 +295,9 @@ class HybridTarget(Target):
     def commit(self, state: HybridState, pending: HybridPending, kept: jax.Array) -> HybridState:
         kept = kept.astype(jnp.int32)
         if pending.per_position:
-            conv = tuple(conv_state_at(window, kept, kernel_size=self.config.linear_conv_kernel) for window in pending.conv)
-            ssm = tuple(select_states(old, states, kept) for old, states in zip(state.ssm, pending.ssm))
+            k = self.config.linear_conv_kernel
+            conv = tuple(conv_state_at(window, kept, kernel_size=k) for window in pending.conv)
+            ssm = tuple(state_at(old, states, kept) for old, states in zip(state.ssm, pending.ssm))
         else:
             conv, ssm = pending.conv, pending.ssm
         return state.replace(conv=conv, ssm=ssm, seq_len=(pending.start + kept).astype(jnp.int32))
