@@ -110,34 +110,13 @@ def _chunk(state, q, k, v, g, beta):
     g_exp = jnp.exp(gcum)[..., None]  # [B, H, C, 1]
     rhs = jnp.moveaxis(beta[..., None] * v, 1, 2) - g_exp * jnp.einsum("bchk,bhkv->bhcv", k * beta[..., None],
                                                                         state, precision=p)
-    u = _unit_lower_solve(jnp.where(seen & ~jnp.eye(c, dtype=bool), a, 0.0), rhs)
+    if c == 1:  # one position: the unit-diagonal system is the identity (a decode step skips the solve)
+        u = rhs
+    else:
+        u = jax.scipy.linalg.solve_triangular(jnp.where(seen, a, 0.0), rhs, lower=True, unit_diagonal=True)
     out = g_exp * jnp.einsum("bchk,bhkv->bhcv", q, state, precision=p) + jnp.einsum("bhij,bhjv->bhiv", scores, u,
                                                                                   precision=p)
     return jnp.moveaxis(out, 2, 1), jnp.moveaxis(u, 2, 1), gcum
-
-
-SMALL_SOLVE = 16
-"""Blocks up to this many positions (a verify) invert I + A as a product of matmuls: a GPU runs XLA's batched
-triangular solve of tiny systems as a slow library call per layer. Longer chunks (prefill) solve."""
-
-
-def _unit_lower_solve(a, rhs):
-    """u with (I + a) u = rhs, `a` strictly lower triangular [..., C, C]. For C <= SMALL_SOLVE,
-    (I + a)^-1 = (I - a)(I + a^2)(I + a^4)...: `a` is nilpotent, so the product of log2(C) factors is exact
-    algebra. Row i of the result reads rows <= i only, so masked rows (a = 0, rhs = 0) stay exact zeros."""
-    c = a.shape[-1]
-    if c == 1:
-        return rhs
-    if c > SMALL_SOLVE:
-        return jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
-    n, u = -a, rhs
-    u = u + jnp.einsum("...ij,...jv->...iv", n, u, precision=HIGHEST)
-    span = 2
-    while span < c:
-        n = jnp.einsum("...ij,...jk->...ik", n, n, precision=HIGHEST)
-        u = u + jnp.einsum("...ij,...jv->...iv", n, u, precision=HIGHEST)
-        span *= 2
-    return u
 
 
 def causal_conv(x, conv_state, weight):
