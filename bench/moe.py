@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     payload = common.environment(iters=iters, inner=inner, quick=args.quick)
     payload.update(geometries=geos, tokens=[{"batch": b, "width": w} for b, w in tokens], dtype="bfloat16",
                    norm_topk_prob=True, read_bandwidth_Bps=read_bw, tolerance_rel=TOLERANCE,
-                   gpu_default_impl=moe.GPU_DEFAULT_IMPL)
+                   gather_max_tokens=moe.GATHER_MAX_TOKENS)
     payload["checks"] = check_agreement(key, geos, tokens)
     payload["cells"] = time_cells(key, geos, tokens, read_bw, iters, inner)
     payload["faster_by_T"] = {name: {str(c["T"]): c["faster"] for c in payload["cells"] if c["geometry"] == name}

@@ -179,9 +179,9 @@ def test_experts_alone_weights_each_chosen_expert():
 
 
 def test_default_impl():
-    assert moe.default_impl("cpu") == "gather"
-    assert moe.default_impl("gpu") == moe.GPU_DEFAULT_IMPL
-    assert moe.GPU_DEFAULT_IMPL in MOE_IMPLS
+    assert moe.default_impl("cpu") == moe.default_impl("cpu", tokens=48) == "gather"
+    assert moe.default_impl("gpu") == moe.default_impl("gpu", tokens=moe.GATHER_MAX_TOKENS) == "gather"
+    assert moe.default_impl("gpu", tokens=moe.GATHER_MAX_TOKENS + 1) == "ragged"
     assert moe.default_impl() in MOE_IMPLS
 
 

@@ -165,7 +165,7 @@ class HybridLayer(nn.Module):
         params = {n: getattr(self, n) for n in ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down",
                                                 "shared_gate")}
         return moe.moe_block(x, params, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
-                             impl=moe.default_impl())
+                             impl=moe.default_impl(tokens=x.shape[0] * x.shape[1]))
 
 
 class HybridLM(nn.Module):

@@ -21,17 +21,22 @@ from dflash_jax.targets.layers import exact, matmul, swiglu
 
 MOE_IMPLS = ("ragged", "gather")
 
-# The impl a model uses on a GPU when none is asked for: a first guess until `bench/moe.py` has run on
-# the H200 (the lead sets it from that measurement).
-GPU_DEFAULT_IMPL = "ragged"
+GATHER_MAX_TOKENS = 3
+"""On a GPU, blocks of up to this many tokens gather their experts. The H200 (bench/results/moe_partial.json,
+Qwen3.5-35B-A3B experts, bf16): gather 0.128 ms against ragged_dot 0.449 ms at 1 token, 0.244 against 0.479 ms
+at 3. Wider blocks (a verify: 16 or 48 tokens) were not measured before the device time ran out; they take
+`ragged_dot`, which reads each chosen expert once where the gather copies it per token."""
 
 PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
 
 
-def default_impl(backend: str | None = None) -> str:
-    """`GPU_DEFAULT_IMPL` on a GPU, else `"gather"`: off a GPU `ragged_dot` multiplies every row by every
-    expert (a dense `[E, T*k, H]` expansion), while the gather touches only the chosen ones."""
-    return GPU_DEFAULT_IMPL if (backend or jax.default_backend()) == "gpu" else "gather"
+def default_impl(backend: str | None = None, tokens: int = 1) -> str:
+    """The impl for a block of `tokens` tokens: on a GPU `"gather"` up to `GATHER_MAX_TOKENS`, else `"ragged"`;
+    off a GPU always `"gather"` (there `ragged_dot` multiplies every row by every expert, a dense
+    `[E, T*k, H]` expansion, while the gather touches only the chosen ones)."""
+    if (backend or jax.default_backend()) != "gpu":
+        return "gather"
+    return "gather" if tokens <= GATHER_MAX_TOKENS else "ragged"
 
 
 def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
