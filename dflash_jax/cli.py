@@ -9,7 +9,16 @@ import time
 from typing import Mapping, Optional
 
 from dflash_jax import train
-from dflash_jax.config import HARVESTS, CheckpointError, DrafterConfig, TargetConfig, is_ignorable_target_tensor, policy
+from dflash_jax.config import (
+    HARVESTS,
+    CheckpointError,
+    DrafterConfig,
+    HybridConfig,
+    TargetConfig,
+    is_ignorable_target_tensor,
+    is_vision_tensor,
+    policy,
+)
 from dflash_jax.demo import DEMO_DRAFTERS
 from dflash_jax.io import checkpoints
 from dflash_jax.io.safetensors import read_config
@@ -33,7 +42,7 @@ def _rope_text(rope) -> str:
 def describe_target(cfg: TargetConfig, infos: dict) -> list:
     """Lines `inspect` prints for a target directory."""
     n_params = sum(math.prod(i.shape) for n, i in infos.items() if not is_ignorable_target_tensor(n, cfg))
-    return [
+    lines = [
         "kind: target",
         f"arch: {cfg.arch}",
         f"layers: {cfg.num_layers}",
@@ -45,6 +54,20 @@ def describe_target(cfg: TargetConfig, infos: dict) -> list:
         f"dtype: {cfg.dtype}",
         f"parameters: {n_params:,}",
     ]
+    if isinstance(cfg, HybridConfig):
+        vision = sum(map(is_vision_tensor, infos))
+        lines[3:3] = [
+            f"layer types: {len(cfg.linear_layers)} Gated DeltaNet, {len(cfg.attention_layers)} gated attention "
+            f"(rotary on {cfg.rotary_dim} of {cfg.head_dim} channels)",
+            f"linear attention: {cfg.linear_num_key_heads} key heads x {cfg.linear_key_head_dim}, "
+            f"{cfg.linear_num_value_heads} value heads x {cfg.linear_value_head_dim}, conv kernel "
+            f"{cfg.linear_conv_kernel}",
+            f"experts: {sum(cfg.moe_layers)} MoE layers, {cfg.num_experts} experts (top {cfg.num_experts_per_tok}, "
+            f"{cfg.moe_intermediate_size} wide, {cfg.expert_layout.replace('_', ' ')}), shared expert "
+            f"{cfg.shared_expert_intermediate_size} wide" if cfg.num_experts else "experts: none",
+            f"text model under: {cfg.text_prefix}" + (f" (vision tower skipped: {vision} tensors)" if vision else ""),
+        ]
+    return lines
 
 
 def describe_trained_for(config: Mapping) -> str:

@@ -7,7 +7,7 @@ bit for bit, a replay of the kept prefix from the pre-verify state.
 """
 import functools
 import json
-import warnings
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 import dflash_jax
+from dflash_jax import cli
 from dflash_jax.config import CheckpointError, target_config_from_hf
 from dflash_jax.io.checkpoints import write_target
 from conftest import inject_reference, tiny_drafter
@@ -37,6 +38,8 @@ CONFIGS = {
 }
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(12, 90))]
 MAX_NEW = 20
+ROUNDS, ND = 8, 7  # the replay test's rounds and drafts per round
+PLAIN_NEW = ROUNDS * (ND + 1) + 1
 
 
 def _perturb_norms(model):
@@ -63,6 +66,12 @@ def pair(request, tmp_path_factory):
     """(transformers model, our Target, folder) for one config, with the same random weights."""
     model, path = _saved(request.param, str(tmp_path_factory.getbasetemp()))
     return model, dflash_jax.load_target(path, dtype="float32"), path
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    """Plain greedy continuations of PROMPTS, PLAIN_NEW tokens each (one compile; shorter runs are prefixes)."""
+    return dflash_jax.generate(pair[1], None, PROMPTS, max_new_tokens=PLAIN_NEW).tokens
 
 
 def _tokens(b, t, seed=0):
@@ -163,12 +172,11 @@ def _assert_same_state(a, b):
             assert np.array_equal(np.asarray(x)[held], np.asarray(y)[held]), f"{name} of attention layer {i} differs"
 
 
-def test_replay_oracle_gives_bit_identical_states_after_every_round(pair):
+def test_replay_oracle_gives_bit_identical_states_after_every_round(pair, plain):
     """The original's CKPT_GATE as a test: a speculative run at batch 3 with ragged prompts and proposals copied
     from the greedy continuation with a wrong token at a chosen slot (every acceptance length 0..nd occurs)."""
     _, target, _ = pair
-    nd, rounds = 7, 8
-    plain = dflash_jax.generate(target, None, PROMPTS, max_new_tokens=rounds * (nd + 1) + 1).tokens
+    nd, rounds = ND, ROUNDS
     seqs = [p + t for p, t in zip(PROMPTS, plain)]
     state = target.init_state(3, 192)
     lengths = np.array([len(p) - 1 for p in PROMPTS])  # prefill all but the last prompt token (the first anchor)
@@ -194,11 +202,11 @@ def test_replay_oracle_gives_bit_identical_states_after_every_round(pair):
     assert seen == set(range(nd + 1)), f"acceptance lengths seen {sorted(seen)}, want 0..{nd}"
 
 
-def test_greedy_speculative_equals_plain_at_batch_one_and_three(pair):
+def test_greedy_speculative_equals_plain_at_batch_one_and_three(pair, plain):
     """A random DFlash drafter (accepts almost nothing) and injected proposals (every acceptance length 0..nd),
     at batch 3 with ragged prompts and batch 1."""
     _, target, _ = pair
-    plain = dflash_jax.generate(target, None, PROMPTS, max_new_tokens=MAX_NEW).tokens
+    plain = [row[:MAX_NEW] for row in plain]
     drafter = tiny_drafter(target, 8, tap_ids=(0, 2))
     nd = drafter.config.n_drafts
     assert dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens == plain
@@ -210,10 +218,9 @@ def test_greedy_speculative_equals_plain_at_batch_one_and_three(pair):
     assert all(h > 0 for h in out.stats.accept_hist), f"every length 0..{nd}: {out.stats.accept_hist}"
 
 
-def test_greedy_generate_equals_transformers_generate(pair):
-    model, target, _ = pair
-    prompt = [5, 6, 7, 8, 9]
-    ours = dflash_jax.generate(target, None, [prompt], max_new_tokens=10).tokens[0]
+def test_greedy_generate_equals_transformers_generate(pair, plain):
+    model, _, _ = pair
+    prompt, ours = PROMPTS[0], plain[0][:10]
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(prompt):].tolist()
@@ -252,7 +259,7 @@ def test_fused_expert_checkpoint_loads_like_the_per_expert_one(tmp_path_factory)
     np.testing.assert_array_equal(np.asarray(a.full_logits(tokens)), np.asarray(b.full_logits(tokens)))
 
 
-def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_vision_tower(tmp_path):
+def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_vision_tower(tmp_path, capsys):
     text = dict(COMMON, intermediate_size=96)
     vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
@@ -265,6 +272,10 @@ def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_vis
     assert names == ["Qwen3_5ForConditionalGeneration"]
     with pytest.warns(UserWarning, match=r"skipping the vision tower \(\d+ tensors"):
         target = dflash_jax.load_target(tmp_path)
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "layer types: 2 Gated DeltaNet, 1 gated attention (rotary on 4 of 16 channels)" in printed
+    assert re.search(r"text model under: model\.language_model\. \(vision tower skipped: \d+ tensors\)", printed)
     assert target.config.text_prefix == "model.language_model."
     tokens = _tokens(2, 30, seed=5)
     with torch.no_grad():
