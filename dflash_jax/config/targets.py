@@ -120,29 +120,32 @@ def target_config_from_hf(d: Mapping) -> TargetConfig:
     )
 
 
-def target_to_hf_config(cfg: TargetConfig) -> dict:
-    """A `config.json` dict that transformers (4 and 5) and `target_config_from_hf` both read."""
-    if isinstance(cfg, HybridConfig):
-        return hybrid_to_hf_config(cfg)
-    name = _ARCH_OF_MODEL_TYPE[cfg.arch]
-    out = {
-        "architectures": [name],
-        "model_type": cfg.arch,
+def _shared_hf(cfg: TargetConfig, architecture: str, model_type: str) -> dict:
+    """The `config.json` fields every target family writes."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        **rope_to_hf(cfg.rope),
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": cfg.attention_bias,
         "torch_dtype": cfg.dtype,
     }
+
+
+def target_to_hf_config(cfg: TargetConfig) -> dict:
+    """A `config.json` dict that transformers (4 and 5) and `target_config_from_hf` both read."""
+    if isinstance(cfg, HybridConfig):
+        return hybrid_to_hf_config(cfg)
+    out = _shared_hf(cfg, _ARCH_OF_MODEL_TYPE[cfg.arch], cfg.arch)
+    out.update(intermediate_size=cfg.intermediate_size, **rope_to_hf(cfg.rope))
     if cfg.arch == "llama":
         out["mlp_bias"] = False
     else:
@@ -373,32 +376,18 @@ _HYBRID_CAUSAL = {"qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
 
 def hybrid_to_hf_config(cfg: HybridConfig) -> dict:
     """The causal-LM `config.json` of a hybrid (what `write_target` writes, with tensors under `model.`)."""
-    name, model_type = _HYBRID_CAUSAL[cfg.arch]
-    rope = rope_to_hf(cfg.rope)
-    out = {
-        "architectures": [name],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
+    out = _shared_hf(cfg, *_HYBRID_CAUSAL[cfg.arch])
+    scaling = rope_to_hf(cfg.rope)["rope_scaling"] or {}
+    out.update({
         "rope_parameters": {"rope_type": cfg.rope.rope_type, "rope_theta": cfg.rope.theta,
-                            "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim, **(rope["rope_scaling"] or {})},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": False,
+                            "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim, **scaling},
         "layer_types": list(cfg.layer_types),
         "linear_conv_kernel_dim": cfg.linear_conv_kernel,
         "linear_num_key_heads": cfg.linear_num_key_heads,
         "linear_num_value_heads": cfg.linear_num_value_heads,
         "linear_key_head_dim": cfg.linear_key_head_dim,
         "linear_value_head_dim": cfg.linear_value_head_dim,
-        "torch_dtype": cfg.dtype,
-    }
+    })
     if cfg.arch != "qwen3_5_moe":
         out["intermediate_size"] = cfg.intermediate_size
     if cfg.num_experts:

@@ -93,14 +93,18 @@ class DenseLM(nn.Module):
     """Embedding, `num_layers` DenseLayers (`layers_{i}`), final norm, LM head (tied or not)."""
 
     cfg: TargetConfig
+    final_norm_init = staticmethod(_ones)
 
     def setup(self):
         c = self.cfg
         self.embedding = self.param("embed", _normal, (c.vocab_size, c.hidden_size))
-        self.layers = [DenseLayer(c) for _ in range(c.num_layers)]
-        self.final_norm = self.param("final_norm", _ones, (c.hidden_size,))
+        self.layers = self.make_layers()
+        self.final_norm = self.param("final_norm", self.final_norm_init, (c.hidden_size,))
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", _normal, (c.hidden_size, c.vocab_size))
+
+    def make_layers(self) -> list:
+        return [DenseLayer(self.cfg) for _ in range(self.cfg.num_layers)]
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embedding, tokens, axis=0)
@@ -155,15 +159,16 @@ def _taps(outputs: list, tap_ids: tuple):
     return jnp.concatenate([outputs[i] for i in tap_ids], axis=-1) if tap_ids else None
 
 
-def init_params(cfg: TargetConfig, seed: int = 0) -> dict:
-    """Float32 params initialised like transformers (N(0, 0.02), norms ones, biases zero)."""
-    return init_module(DenseLM, cfg, seed, jnp.zeros((1, 1), jnp.int32))
+def init_params(cfg: TargetConfig, seed: int = 0, module_cls=None) -> dict:
+    """Float32 params of `module_cls` (`DenseLM` by default; any target module taking token ids), initialised
+    by the module (for `DenseLM` like transformers: N(0, 0.02), norms ones, biases zero)."""
+    return init_module(module_cls or DenseLM, cfg, seed, jnp.zeros((1, 1), jnp.int32))
 
 
 @functools.lru_cache(maxsize=None)
-def param_shapes(cfg: TargetConfig):
+def param_shapes(cfg: TargetConfig, module_cls=None):
     """The parameter pytree of `cfg` as `ShapeDtypeStruct`s, straight from the module."""
-    return jax.eval_shape(functools.partial(init_params, cfg, 0))
+    return jax.eval_shape(functools.partial(init_params, cfg, 0, module_cls))
 
 
 class DenseTarget(Target):

@@ -25,13 +25,12 @@ from flax import struct
 
 from dflash_jax.cache import write_rows
 from dflash_jax.config.targets import HybridConfig
-from dflash_jax.targets import gdn, moe
+from dflash_jax.targets import dense, gdn, moe
 from dflash_jax.targets.base import Target
 from dflash_jax.targets.layers import (
     INIT_STD,
     apply_rope,
     block_attention,
-    init_module,
     masked_attention,
     matmul,
     merge_heads,
@@ -168,26 +167,16 @@ class HybridLayer(nn.Module):
                              impl=moe.default_impl(tokens=x.shape[0] * x.shape[1]))
 
 
-class HybridLM(nn.Module):
-    """Embedding, `num_layers` HybridLayers (`layers_{i}`), final norm, LM head (tied or not)."""
+class HybridLM(dense.DenseLM):
+    """Embedding, `num_layers` HybridLayers (`layers_{i}`), final norm (centred), LM head (tied or not): the
+    dense model's embedding and head around other layers."""
 
     cfg: HybridConfig
+    final_norm_init = staticmethod(_zeros)
 
-    def setup(self):
+    def make_layers(self) -> list:
         c = self.cfg
-        self.embedding = self.param("embed", _normal, (c.vocab_size, c.hidden_size))
-        self.layers = [HybridLayer(c, kind, moe_layer) for kind, moe_layer in zip(c.layer_types, c.moe_layers)]
-        self.final_norm = self.param("final_norm", _zeros, (c.hidden_size,))
-        if not c.tie_word_embeddings:
-            self.lm_head = self.param("lm_head", _normal, (c.hidden_size, c.vocab_size))
-
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding, tokens, axis=0)
-
-    def logits(self, h: jax.Array) -> jax.Array:
-        """LM head on final-normed hidden states, in float32."""
-        w = self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head
-        return matmul(h, w, preferred_element_type=jnp.float32)
+        return [HybridLayer(c, kind, moe_layer) for kind, moe_layer in zip(c.layer_types, c.moe_layers)]
 
     def forward(self, tokens: jax.Array, tap_ids: tuple = ()):
         """Uncached causal forward: `(h [B, T, H] final-normed, taps or None)`."""
@@ -207,7 +196,7 @@ class HybridLM(nn.Module):
         for layer in self.layers:
             x, _ = layer(x, linear if layer.kind == "linear_attention" else attention)
             outputs.append(x)
-        return centred_rms_norm(x, self.final_norm, c.rms_norm_eps), _taps(outputs, tap_ids)
+        return centred_rms_norm(x, self.final_norm, c.rms_norm_eps), dense._taps(outputs, tap_ids)
 
     def extend(self, state: HybridState, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (),
                impl: str = "xla", valid: Optional[jax.Array] = None):
@@ -243,26 +232,16 @@ class HybridLM(nn.Module):
             outputs.append(x)
         pending = HybridPending(start=start, conv=tuple(convs), ssm=tuple(ssms), per_position=valid is None)
         h = centred_rms_norm(x, self.final_norm, c.rms_norm_eps)
-        return h, _taps(outputs, tap_ids), state.replace(k=tuple(ks), v=tuple(vs)), pending
+        return h, dense._taps(outputs, tap_ids), state.replace(k=tuple(ks), v=tuple(vs)), pending
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits of an uncached forward (what `init` traces to create every parameter)."""
         return self.logits(self.forward(tokens)[0])
 
 
-def _taps(outputs: list, tap_ids: tuple):
-    return jnp.concatenate([outputs[i] for i in tap_ids], axis=-1) if tap_ids else None
-
-
-def init_params(cfg: HybridConfig, seed: int = 0) -> dict:
-    """Float32 params: N(0, 0.02) weights, centred norms zero, the gated norm one, `A_log` as `_a_log`."""
-    return init_module(HybridLM, cfg, seed, jnp.zeros((1, 1), jnp.int32))
-
-
-@functools.lru_cache(maxsize=None)
-def param_shapes(cfg: HybridConfig):
-    """The parameter pytree of `cfg` as `ShapeDtypeStruct`s, straight from the module."""
-    return jax.eval_shape(functools.partial(init_params, cfg, 0))
+init_params = functools.partial(dense.init_params, module_cls=HybridLM)
+"""Float32 params: N(0, 0.02) weights, centred norms zero, the gated norm one, `A_log` as `_a_log`."""
+param_shapes = functools.partial(dense.param_shapes, module_cls=HybridLM)
 
 
 class HybridTarget(Target):

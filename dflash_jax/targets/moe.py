@@ -173,4 +173,4 @@ def _check_block(x, params, impl) -> None:
                          f"{params['shared_gate'].shape} do not fit H = {h}; expected [{h}, 2Is], [Is, {h}], [{h}, 1].")
 
 
-__all__ = ["GPU_DEFAULT_IMPL", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block", "route"]
+__all__ = ["GATHER_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block", "route"]
