@@ -179,8 +179,8 @@ class NanAfter(DenseTarget):
 
     poison_at: jax.Array
 
-    def extend(self, state, tokens, start, tap_ids=(), impl="xla"):
-        h, taps, state, pending = super().extend(state, tokens, start, tap_ids, impl)
+    def extend(self, state, tokens, start, tap_ids=(), impl="xla", valid=None):
+        h, taps, state, pending = super().extend(state, tokens, start, tap_ids, impl, valid)
         pos = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
         return jnp.where((pos >= self.poison_at)[..., None], jnp.nan, h), taps, state, pending
 

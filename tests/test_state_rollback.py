@@ -85,7 +85,7 @@ class RunningSumTarget(Target):
     def embed(self, tokens):
         return self._apply(RunningSumLM.embed, tokens)
 
-    def extend(self, state, tokens, start, tap_ids=(), impl="xla"):
+    def extend(self, state, tokens, start, tap_ids=(), impl="xla", valid=None):
         h, taps, sums = self._apply(RunningSumLM.extend, state.total, tokens, tap_ids)
         return h, taps, state, (sums, start)
 

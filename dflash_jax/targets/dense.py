@@ -127,7 +127,7 @@ class DenseLM(nn.Module):
         for layer in self.layers:
             x, _, _ = layer(x, positions, lambda q, k, v: masked_attention(q, k, v, mask, scale))
             outputs.append(x)
-        return self._norm(x), _taps(outputs, tap_ids)
+        return self._norm(x), concat_taps(outputs, tap_ids)
 
     def extend(self, cache: KVCache, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla"):
         """Block `tokens [B, W]` at positions `start[b] + i` over the cache; its K/V written.
@@ -148,14 +148,15 @@ class DenseLM(nn.Module):
             ks.append(write_rows(kc, k, start))
             vs.append(write_rows(vc, v, start))
             outputs.append(x)
-        return self._norm(x), _taps(outputs, tap_ids), cache.replace(k=tuple(ks), v=tuple(vs))
+        return self._norm(x), concat_taps(outputs, tap_ids), cache.replace(k=tuple(ks), v=tuple(vs))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits of an uncached forward (what `init` traces to create every parameter)."""
         return self.logits(self.forward(tokens)[0])
 
 
-def _taps(outputs: list, tap_ids: tuple):
+def concat_taps(outputs: list, tap_ids: tuple):
+    """The outputs of layers `tap_ids` concatenated on features (None for no taps)."""
     return jnp.concatenate([outputs[i] for i in tap_ids], axis=-1) if tap_ids else None
 
 

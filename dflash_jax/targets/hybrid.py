@@ -196,7 +196,7 @@ class HybridLM(dense.DenseLM):
         for layer in self.layers:
             x, _ = layer(x, linear if layer.kind == "linear_attention" else attention)
             outputs.append(x)
-        return centred_rms_norm(x, self.final_norm, c.rms_norm_eps), dense._taps(outputs, tap_ids)
+        return centred_rms_norm(x, self.final_norm, c.rms_norm_eps), dense.concat_taps(outputs, tap_ids)
 
     def extend(self, state: HybridState, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (),
                impl: str = "xla", valid: Optional[jax.Array] = None):
@@ -232,7 +232,7 @@ class HybridLM(dense.DenseLM):
             outputs.append(x)
         pending = HybridPending(start=start, conv=tuple(convs), ssm=tuple(ssms), per_position=valid is None)
         h = centred_rms_norm(x, self.final_norm, c.rms_norm_eps)
-        return h, dense._taps(outputs, tap_ids), state.replace(k=tuple(ks), v=tuple(vs)), pending
+        return h, dense.concat_taps(outputs, tap_ids), state.replace(k=tuple(ks), v=tuple(vs)), pending
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits of an uncached forward (what `init` traces to create every parameter)."""
