@@ -3,16 +3,17 @@ loops import the Target and Drafter interfaces, never a family module."""
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dflash_jax"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("dflash_jax", "pallas_kernels")  # the kernels too: one importing the library closed a cycle once
 
 
 def _modules() -> dict:
-    """Module name -> path of every module of the package (assets excluded)."""
+    """Module name -> path of every module of the packages (assets excluded)."""
     out = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path in (p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
         if "assets" in path.parts:
             continue
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        parts = path.relative_to(ROOT).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -24,11 +25,13 @@ def import_graph() -> dict:
     for name, path in mods.items():
         edges = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dflash_jax"):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGES):
                 edges |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
                           for a in node.names}
             elif isinstance(node, ast.Import):
-                edges |= {a.name for a in node.names if a.name.startswith("dflash_jax")}
+                edges |= {a.name for a in node.names if a.name.startswith(PACKAGES)}
+        # importing a.b.c runs the __init__ of a and a.b first (unless the importer lives inside them)
+        edges |= {".".join(e.split(".")[:i]) for e in edges for i in range(1, e.count(".") + 1)}
         graph[name] = {e for e in edges if e in mods and e != name and not name.startswith(e + ".")}
     return graph
 

@@ -44,7 +44,7 @@ _ones, _zeros, _normal = nn.initializers.ones, nn.initializers.zeros, nn.initial
 
 
 def _a_log(key, shape, dtype=jnp.float32):
-    """log(A) with A uniform in [1, 16): decays of a few positions to a few hundred, as trained models have."""
+    """log(A), A uniform in [1, 16) (transformers draws it from [0.01, 16); ours keeps fresh decays away from 1)."""
     return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
 
 
