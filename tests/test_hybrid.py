@@ -143,6 +143,25 @@ def test_prefill_then_partly_kept_blocks_equal_the_uncached_forward(pair):
         np.testing.assert_array_equal(np.asarray(state.seq_len), pos)
 
 
+def test_prompts_longer_than_a_prefill_chunk_decode_as_the_uncached_forward(tmp_path_factory):
+    """A 700-token prompt goes in two 512-token prefill chunks (the recurrent state carried across, the second
+    chunk partly padding), beside a 5-token one that the second chunk leaves alone: greedy tokens equal the
+    argmax of one uncached forward (teacher forcing), with and without a drafter."""
+    _, path = _saved("qwen3_next", str(tmp_path_factory.getbasetemp()))
+    target = dflash_jax.load_target(path, dtype="float32")
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(0, VOCAB, 700).tolist(), rng.randint(0, VOCAB, 5).tolist()]
+    plain = dflash_jax.generate(target, None, prompts, max_new_tokens=4).tokens
+    seqs = np.zeros((2, 704), np.int32)
+    for i, (prompt, got) in enumerate(zip(prompts, plain)):
+        seqs[i, :len(prompt) + 4] = prompt + got
+    choice = np.asarray(target.full_logits(seqs)).argmax(-1)
+    for i, (prompt, got) in enumerate(zip(prompts, plain)):
+        assert got == choice[i, len(prompt) - 1:len(prompt) + 3].tolist(), f"prompt of {len(prompt)} tokens"
+    assert dflash_jax.generate(target, tiny_drafter(target, 4, tap_ids=(0, 2)), prompts,
+                               max_new_tokens=4).tokens == plain
+
+
 @jax.jit
 def _round(target, state, block, start):
     """A verify: greedy acceptance of `block[:, 1:]` against the target's argmax, and the state `commit` keeps."""
