@@ -340,3 +340,25 @@ def test_hybrid_census_reads_transformers_defaults():
                                                              norm_topk_prob=False)})
     assert conditional.arch == "qwen3_5_moe" and conditional.text_prefix == "model.language_model."
     assert conditional.norm_topk_prob, "Qwen3.5-MoE always renormalises its top-k weights"
+
+
+def test_the_memory_check_counts_one_blocks_per_position_states(monkeypatch):
+    """`pending_bytes` is what `extend` really returns (beyond `start`), and generation whose caches fit but
+    whose verify block's per-position states do not is refused before allocating, naming them."""
+    from dflash_jax.decoding import common
+    from conftest import tiny_hybrid
+
+    target = tiny_hybrid()
+    for batch, width in ((3, 8), (1, 1)):
+        pending = jax.eval_shape(lambda: target.extend(target.init_state(batch, width),
+                                                       jnp.zeros((batch, width), jnp.int32),
+                                                       jnp.zeros((batch,), jnp.int32))[3])
+        real = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pending)) - 4 * batch
+        assert target.pending_bytes(batch, width) == real
+    drafter = tiny_drafter(target, 16, tap_ids=(0, 1))
+    batch, capacity = 64, 64
+    caches = common.cache_bytes(target, drafter, batch, capacity)
+    assert target.pending_bytes(batch, 16) > 1 << 20
+    monkeypatch.setattr(common, "free_memory", lambda device=None: (caches + 1000, "cuda:0"))
+    with pytest.raises(ValueError, match=r"with [\d,]+ bytes of per-position states for one block, need"):
+        dflash_jax.generate(target, drafter, [[1, 2, 3]] * batch, max_new_tokens=8, capacity=capacity)

@@ -235,11 +235,15 @@ def _host_available() -> Optional[int]:
 
 
 def check_memory(target: Target, drafter: Optional[Drafter], batch: int, capacity: int) -> None:
-    """Refuse, before allocating, caches that do not fit the free memory, naming both byte counts."""
-    need = cache_bytes(target, drafter, batch, capacity)
+    """Refuse, before allocating, caches that do not fit the free memory, naming both byte counts. The
+    target's `pending` for one block (the verify block, or one token without a drafter) counts too."""
+    caches = cache_bytes(target, drafter, batch, capacity)
+    pending = target.pending_bytes(batch, 1 if drafter is None else drafter.n_drafts + 1)
+    need = caches + pending
     free, where = free_memory()
     if free is not None and need > free:
-        raise ValueError(f"the caches for {batch} row(s) x capacity {capacity} need {need:,} bytes "
+        also = f", with {pending:,} bytes of per-position states for one block," if pending > 1 << 20 else ""
+        raise ValueError(f"the caches for {batch} row(s) x capacity {capacity}{also} need {need:,} bytes "
                          f"({need / 2**30:.2f} GiB), but {where} has {free:,} bytes free ({free / 2**30:.2f} GiB); "
                          f"lower capacity, max_new_tokens or the batch")
 

@@ -57,6 +57,11 @@ class Target(struct.PyTreeNode, abc.ABC):
     def commit(self, state, pending, kept: jax.Array):
         """Keep the first `kept[b]` positions of the last `extend` (0 keeps none): the only rollback."""
 
+    def pending_bytes(self, batch: int, width: int) -> int:
+        """Bytes `pending` holds between an `extend` of `width` positions and its `commit`, beyond the state
+        (what the memory check adds to the caches): next to nothing unless the family keeps per-position state."""
+        return 0
+
     @abc.abstractmethod
     def forward(self, tokens: jax.Array, tap_ids: tuple = ()) -> tuple:
         """Uncached causal forward of `[B, T]`: `(hidden [B, T, H] final-normed, taps or None)`."""

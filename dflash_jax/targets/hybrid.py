@@ -264,6 +264,13 @@ class HybridTarget(Target):
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self._apply(HybridLM.embed, tokens)
 
+    def pending_bytes(self, batch: int, width: int) -> int:
+        """Per linear layer, the conv window and the float32 recurrent state after every position."""
+        c = self.config
+        window = (c.linear_conv_kernel - 1 + width) * c.conv_dim * self.params["embed"].dtype.itemsize
+        states = width * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        return batch * len(c.linear_layers) * (window + states)
+
     def extend(self, state: HybridState, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla",
                valid: Optional[jax.Array] = None):
         return self._apply(HybridLM.extend, state, tokens, start, tap_ids, impl, valid)
