@@ -255,11 +255,8 @@ def test_written_target_reads_back_identically(pair, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_fused_expert_checkpoint_loads_like_the_per_expert_one(tmp_path_factory):
-    """Published Qwen3.5-MoE files stack experts (`mlp.experts.gate_up_proj [E, 2I, H]`); transformers' own
-    save writes one tensor per expert. Both load to the same target."""
-    _, path = _saved("qwen3_5_moe", str(tmp_path_factory.getbasetemp()))
-    tensors = load_file(f"{path}/model.safetensors")
+def _stacked(tensors: dict) -> dict:
+    """A per-expert checkpoint's tensors with every layer's experts stacked as the published files store them."""
     fused, e = {}, EXPERTS["num_experts"]
     for name, x in tensors.items():
         if ".mlp.experts." not in name:
@@ -269,8 +266,14 @@ def test_fused_expert_checkpoint_loads_like_the_per_expert_one(tmp_path_factory)
             fused[prefix + "gate_up_proj"] = np.stack([np.concatenate(
                 [tensors[f"{prefix}{i}.gate_proj.weight"], tensors[f"{prefix}{i}.up_proj.weight"]]) for i in range(e)])
             fused[prefix + "down_proj"] = np.stack([tensors[f"{prefix}{i}.down_proj.weight"] for i in range(e)])
-    out = tmp_path_factory.mktemp("fused")
-    save_file(fused, str(out / "model.safetensors"))
+    return fused
+
+
+def test_fused_expert_checkpoint_loads_like_the_per_expert_one(tmp_path_factory):
+    """Published Qwen3.5-MoE files stack experts (`mlp.experts.gate_up_proj [E, 2I, H]`); transformers' own
+    save writes one tensor per expert. Both load to the same target."""
+    path, out = _saved("qwen3_5_moe", str(tmp_path_factory.getbasetemp()))[1], tmp_path_factory.mktemp("fused")
+    save_file(_stacked(load_file(f"{path}/model.safetensors")), str(out / "model.safetensors"))
     (out / "config.json").write_text(open(f"{path}/config.json").read())
     a, b = dflash_jax.load_target(path), dflash_jax.load_target(out)
     assert b.config.expert_layout == "fused"
@@ -362,3 +365,24 @@ def test_the_memory_check_counts_one_blocks_per_position_states(monkeypatch):
     monkeypatch.setattr(common, "free_memory", lambda device=None: (caches + 1000, "cuda:0"))
     with pytest.raises(ValueError, match=r"with [\d,]+ bytes of per-position states for one block, need"):
         dflash_jax.generate(target, drafter, [[1, 2, 3]] * batch, max_new_tokens=8, capacity=capacity)
+
+
+def test_hostile_expert_tensors_are_refused_by_name(tmp_path_factory):
+    _, path = _saved("qwen3_5_moe", str(tmp_path_factory.getbasetemp()))
+    tensors = load_file(f"{path}/model.safetensors")
+    config = open(f"{path}/config.json").read()
+    missing = "model.layers.0.mlp.experts.3.up_proj.weight"
+    wrong = "model.layers.2.mlp.experts.gate_up_proj"
+    cases = {"missing": ({k: v for k, v in tensors.items() if k != missing},
+                         rf"missing tensor\(s\): {re.escape(missing)} \(expected \[32, 64\]\)"),
+             "stacked": (_stacked(tensors) | {wrong: np.zeros((7, 64, 64), np.float32)},
+                         rf"{re.escape(wrong)} has shape \[7, 64, 64\], expected \[8, 64, 64\]"),
+             "mixed": ({k: v for k, v in _stacked(tensors).items() if ".layers.0.mlp.experts." not in k}
+                       | {k: v for k, v in tensors.items() if ".layers.0.mlp.experts." in k},
+                       r"missing tensor\(s\): model\.layers\.0\.mlp\.experts\.gate_up_proj")}
+    for name, (kept, match) in cases.items():
+        out = tmp_path_factory.mktemp(name)
+        save_file(kept, str(out / "model.safetensors"))
+        (out / "config.json").write_text(config)
+        with pytest.raises(CheckpointError, match=match):
+            dflash_jax.load_target(out)
