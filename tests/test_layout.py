@@ -60,7 +60,7 @@ def _cycle(graph: dict):
 
 def test_the_import_graph_has_no_cycles():
     graph = import_graph()
-    assert len(graph) > 20, f"the package's modules were not found under {PACKAGE}"
+    assert len(graph) > 20, f"the packages' modules were not found under {ROOT}"
     cycle = _cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
