@@ -22,7 +22,7 @@ import dflash_jax
 from conftest import drafter_param_shapes, random_params, tiny_drafter, tiny_target
 from dflash_jax import sampling as smp
 from dflash_jax import train
-from dflash_jax.config import CheckpointError, default_target_layer_ids
+from dflash_jax.config import CheckpointError, HybridConfig, RopeConfig, default_target_layer_ids
 from dflash_jax.drafters.base import ProposeSettings
 from dflash_jax.io.checkpoints import make_drafter, make_target, read_drafter, write_target
 
@@ -190,6 +190,17 @@ def test_init_drafter_copies_target_shapes_and_uses_the_reference_tap_rule(targe
     assert 0.015 < std < 0.025, f"matrices start N(0, 0.02); std {std}"
     with pytest.raises(CheckpointError, match="mask_token_id 64 is outside"):
         train.init_drafter(target.config, num_layers=1, block_size=8, mask_token_id=64)
+
+
+def test_init_drafter_for_an_experts_target_asks_for_the_mlp_width():
+    moe = HybridConfig(arch="qwen3_5_moe", vocab_size=64, hidden_size=32, intermediate_size=0, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(1e4),
+                       layer_types=("linear_attention", "full_attention"), rotary_dim=4, moe_layers=(True, True),
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    with pytest.raises(ValueError, match="qwen3_5_moe target's MLPs are experts .* pass intermediate_size"):
+        train.init_drafter(moe, num_layers=1, block_size=4, mask_token_id=5)
+    cfg, _ = train.init_drafter(moe, num_layers=1, block_size=4, mask_token_id=5, intermediate_size=96)
+    assert cfg.intermediate_size == 96 and cfg.hidden_size == 32
 
 
 def test_train_drafter_refuses_more_anchors_than_a_window_holds(target):
