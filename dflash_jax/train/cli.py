@@ -88,6 +88,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--layers", type=int, default=2,
                    help="draft layers (default 2; published Qwen3-8B drafters use 5)")
     p.add_argument("--block-size", type=int, default=16, help="block size b: anchor + b-1 drafts (default 16)")
+    p.add_argument("--intermediate-size", type=int,
+                   help="the drafter's MLP width (default the target's; required for a target whose MLPs are experts)")
     p.add_argument("--mask-token-id", type=int,
                    help=f"mask token id (default: the tokenizer's {MASK_TOKEN}; required if it has none)")
     p.add_argument("--target-layer-ids", type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -143,7 +145,8 @@ def _prepare(args) -> tuple:
         separator = cfg.eos_token_ids[0]
     data = load_corpus(args.corpus, tokenizer, separator)
     dcfg, dparams = init_drafter(cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask_id,
-                                 target_layer_ids=args.target_layer_ids, seed=args.seed, **family_kwargs(args))
+                                 target_layer_ids=args.target_layer_ids, intermediate_size=args.intermediate_size,
+                                 seed=args.seed, **family_kwargs(args))
     check_drafter_for_target(cfg, dcfg, dparams, tc)
     check_token_stream(data, cfg.vocab_size, tc.seq_len, f"corpus {args.corpus}")
     return target, data, dcfg, dparams, tc

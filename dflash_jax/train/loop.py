@@ -156,7 +156,7 @@ def init_drafter(target_cfg: TargetConfig, *, num_layers: int, block_size: int, 
         raise ValueError(f"family {family!r} cannot be trained; choices: {', '.join(TRAINABLE_FAMILIES)}")
     if intermediate_size is None and not target_cfg.intermediate_size:
         raise ValueError(f"the {target_cfg.arch} target's MLPs are experts (no dense width to copy): pass "
-                         "intermediate_size, the drafter's MLP width (e.g. 3 x hidden_size)")
+                         "intermediate_size (--intermediate-size), the drafter's MLP width (e.g. 3 x hidden_size)")
     given = dict(markov_rank=markov_rank, confidence=confidence or None, selector_rank=selector_rank,
                  selector_top_k=selector_top_k, conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
                  sliding_window=sliding_window)
