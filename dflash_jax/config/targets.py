@@ -41,6 +41,7 @@ class TargetConfig(AttentionWidths):
     max_position_embeddings: int = 4096
     eos_token_ids: tuple = ()
     dtype: str = "float32"
+    text_prefix: str = "model."  # where the decoder's tensors live ("model.language_model." in a multimodal file)
 
     @property
     def qk_norm(self) -> bool:
@@ -192,9 +193,9 @@ class HybridConfig(TargetConfig):
     'linear_attention' (Gated DeltaNet: conv and recurrent state) or 'full_attention' (gated, KV cache);
     `moe_layers[i]` marks a mixture-of-experts MLP. `rotary_dim` leading channels of each head are rotated.
 
-    `text_prefix` is where the text model's tensors live ('model.', or 'model.language_model.' in a
-    conditional-generation checkpoint); `expert_layout` is how experts are stored: one tensor per expert
-    ('per_expert', transformers' `save_pretrained`) or stacked ('fused', the published Qwen3.5 MoE files).
+    `text_prefix` is 'model.language_model.' in a conditional-generation checkpoint; `expert_layout` is how
+    experts are stored: one tensor per expert ('per_expert', transformers' `save_pretrained`) or stacked
+    ('fused', the published Qwen3.5 MoE files).
     """
 
     layer_types: tuple = ()
@@ -210,7 +211,6 @@ class HybridConfig(TargetConfig):
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
-    text_prefix: str = "model."
     expert_layout: str = "per_expert"
 
     @property

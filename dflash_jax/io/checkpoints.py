@@ -157,8 +157,7 @@ def read_target(path, dtype=None, check_finite: bool = True) -> Target:
         warnings.warn(f"{path}: skipping the vision tower ({vision} tensors under model.visual.*): "
                       "dflash-jax runs the text model", stacklevel=2)
     with naming_config(path):
-        dtype = load_dtype(dtype, read_config(path), infos, getattr(cfg, "text_prefix", "model.")
-                           + "embed_tokens.weight")
+        dtype = load_dtype(dtype, read_config(path), infos, cfg.text_prefix + "embed_tokens.weight")
     cfg = dataclasses.replace(cfg, dtype=dtype)
     return target_family(cfg).read(cfg, infos, dtype, check_finite)
 
@@ -168,9 +167,11 @@ def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[i
     """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (and read_target).
 
     Published whole (`io/publish.py`): a non-empty `path` is refused unless `overwrite`, which
-    replaces its whole contents; an interrupted write leaves the old folder as it was.
+    replaces its whole contents; an interrupted write leaves the old folder as it was. A causal LM is
+    what is written, so the text model of a multimodal checkpoint lands under `model.`.
     """
     dtype = dtype_name(dtype)
+    target = target.replace(config=dataclasses.replace(target.config, text_prefix="model."))
     config = target_to_hf_config(dataclasses.replace(target.config, dtype=dtype))
     with publish.staged(path, overwrite) as folder:
         target_family(target.config).write(folder, target, config, dtype, shard_bytes)

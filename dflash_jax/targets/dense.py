@@ -160,14 +160,14 @@ def concat_taps(outputs: list, tap_ids: tuple):
     return jnp.concatenate([outputs[i] for i in tap_ids], axis=-1) if tap_ids else None
 
 
-def init_params(cfg: TargetConfig, seed: int = 0, module_cls=None) -> dict:
-    """Float32 params of `module_cls` (`DenseLM` by default; any target module taking token ids), initialised
-    by the module (for `DenseLM` like transformers: N(0, 0.02), norms ones, biases zero)."""
-    return init_module(module_cls or DenseLM, cfg, seed, jnp.zeros((1, 1), jnp.int32))
+def init_params(cfg: TargetConfig, seed: int = 0, module_cls=DenseLM) -> dict:
+    """Float32 params of `module_cls` (`DenseLM`, or a target module that extends it), initialised by the
+    module (for `DenseLM` like transformers: N(0, 0.02), norms ones, biases zero)."""
+    return init_module(module_cls, cfg, seed, jnp.zeros((1, 1), jnp.int32))
 
 
 @functools.lru_cache(maxsize=None)
-def param_shapes(cfg: TargetConfig, module_cls=None):
+def param_shapes(cfg: TargetConfig, module_cls=DenseLM):
     """The parameter pytree of `cfg` as `ShapeDtypeStruct`s, straight from the module."""
     return jax.eval_shape(functools.partial(init_params, cfg, 0, module_cls))
 

@@ -8,11 +8,12 @@ from dflash_jax.io.names import Param
 def name_map(cfg: TargetConfig) -> list:
     """One `Param` per leaf of `DenseLM`'s params: q|k|v and gate|up fused, linear weights transposed."""
     q, kv, f = cfg.q_width, cfg.kv_width, cfg.intermediate_size
-    names = [Param(("embed",), ("model.embed_tokens.weight",)), Param(("final_norm",), ("model.norm.weight",))]
+    t = cfg.text_prefix
+    names = [Param(("embed",), (t + "embed_tokens.weight",)), Param(("final_norm",), (t + "norm.weight",))]
     if not cfg.tie_word_embeddings:
         names.append(Param(("lm_head",), ("lm_head.weight",), transpose=True))
     for i in range(cfg.num_layers):
-        p, a, layer = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers_{i}"
+        p, a, layer = f"{t}layers.{i}.", f"{t}layers.{i}.self_attn.", f"layers_{i}"
         names += [
             Param((layer, "attn_norm"), (p + "input_layernorm.weight",)),
             Param((layer, "wqkv"), tuple(a + f"{x}_proj.weight" for x in "qkv"), (q, kv, kv), transpose=True),
