@@ -69,6 +69,27 @@ def tiny_drafter(target: Target, block_size: int, seed: int = 1, windows=(None, 
     return make_drafter(cfg, random_params(drafter_param_shapes(cfg), seed))
 
 
+def assert_long_prompts_decode_as_the_uncached_forward(target: Target, drafter: Drafter) -> None:
+    """A 700-token prompt (two 512-token prefill chunks, the second partly padding) beside a 5-token one that the
+    second chunk leaves alone: greedy tokens equal the argmax of one uncached forward, with and without `drafter`.
+    Teacher forcing: each token is the argmax of the forward over everything before it, which by induction is the
+    greedy continuation (one forward, not one compile per length)."""
+    import dflash_jax
+
+    rng = np.random.RandomState(3)
+    vocab = target.config.vocab_size
+    prompts = [rng.randint(0, vocab, 700).tolist(), rng.randint(0, vocab, 5).tolist()]
+    plain = dflash_jax.generate(target, None, prompts, max_new_tokens=4).tokens
+    seqs = np.zeros((2, 704), np.int32)
+    for i, (prompt, got) in enumerate(zip(prompts, plain)):
+        seqs[i, :len(prompt) + 4] = prompt + got
+    choice = np.asarray(target.full_logits(seqs)).argmax(-1)
+    for i, (prompt, got) in enumerate(zip(prompts, plain)):
+        want = choice[i, len(prompt) - 1:len(prompt) + 3].tolist()
+        assert got == want, f"prompt of {len(prompt)} tokens: {got} != the uncached forward's argmax {want}"
+    assert dflash_jax.generate(target, drafter, prompts, max_new_tokens=4).tokens == plain
+
+
 @pytest.fixture(autouse=True, scope="module")
 def free_compiled_programs():
     """Drop compiled programs after each test module. XLA's CPU backend maps each program's code in

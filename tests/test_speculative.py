@@ -13,7 +13,7 @@ import pytest
 
 import dflash_jax
 from dflash_jax.decoding import speculative as spec
-from conftest import inject_reference, tiny_drafter
+from conftest import assert_long_prompts_decode_as_the_uncached_forward, inject_reference, tiny_drafter
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(12, 40))]
 MAX_NEW = 24
@@ -216,20 +216,7 @@ def test_verify_cap_bounds_acceptance_but_not_the_output(target, plain):
 def test_chunked_prefill_of_long_ragged_prompts_matches_the_uncached_forward(target):
     """Prompts longer than one prefill chunk (512) go in several chunks; rows of very different
     lengths share them. Greedy tokens must equal the argmax of the full uncached forward."""
-    rng = np.random.RandomState(3)
-    prompts = [rng.randint(0, 64, 700).tolist(), rng.randint(0, 64, 5).tolist()]
-    plain = dflash_jax.generate(target, None, prompts, max_new_tokens=4).tokens
-    # teacher forcing: each token is the argmax of the uncached forward over everything before it, which by
-    # induction is the greedy continuation (one forward, not one compile per length)
-    seqs = np.zeros((2, 704), np.int32)
-    for i, (prompt, got) in enumerate(zip(prompts, plain)):
-        seqs[i, :len(prompt) + 4] = prompt + got
-    choice = np.asarray(target.full_logits(seqs)).argmax(-1)
-    for i, (prompt, got) in enumerate(zip(prompts, plain)):
-        want = choice[i, len(prompt) - 1:len(prompt) + 3].tolist()
-        assert got == want, f"prompt of {len(prompt)} tokens: {got} != the uncached forward's argmax {want}"
-    spec_out = dflash_jax.generate(target, tiny_drafter(target, 4), prompts, max_new_tokens=4).tokens
-    assert spec_out == plain
+    assert_long_prompts_decode_as_the_uncached_forward(target, tiny_drafter(target, 4))
 
 
 def test_stop_token_chosen_at_prefill_ends_the_row_at_once(target, plain):
