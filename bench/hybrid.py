@@ -10,8 +10,8 @@ Per model:
               live context, and the recurrent and conv states read and written.
   round       `spec_round.measure_cell`: the fused loop at injected acceptance 6.5, and one round split into
               draft, verify and commit (+ the drafter's ingest); `round_over_plain_step`.
-  rollback    the price of per-position states: a verify whose `extend` returns the state after every
-              position and whose `commit` selects the one after the 6th (`per_position_s`), against the same
+  rollback    the price of keeping any prefix: a verify whose `extend` returns every position's recurrent
+              update and whose `commit` folds the state after the 6th (`per_position_s`), against the same
               verify keeping the whole block (`keep_all_s`: what a verify costs when nothing is rolled back)
               and the replay a checkpoint design pays instead (`replay_s`: a verify keeping the whole block,
               then the kept prefix run again from the pre-verify state).

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import statistics
 import sys
@@ -36,6 +37,7 @@ from jax import lax
 import common
 from dflash_jax.targets import moe
 from dynamic_conv import per_call_us
+from pallas_kernels import expert_matmul as em
 
 TOLERANCE = 2e-2
 GEOMETRIES = {
@@ -43,8 +45,10 @@ GEOMETRIES = {
     "qwen3-30b-a3b-experts": {"e": 128, "h": 2048, "i": 768, "k": 8, "shared": 512},
 }
 QUICK = {"tiny": {"e": 8, "h": 64, "i": 32, "k": 2, "shared": 32}}
-TOKENS = ((1, 1), (3, 1), (1, 16), (3, 16))  # (batch, verify width)
+TOKENS = ((1, 1), (3, 1), (1, 16), (3, 16), (4, 16), (8, 16))  # (batch, verify width)
 QUICK_TOKENS = ((1, 1), (3, 4))
+SWEEP = {"block_k": (128, 256), "block_n": (32, 64, 128), "num_warps": (4,), "num_stages": (3, 4)}
+QUICK_SWEEP = {"block_k": (16,), "block_n": (16, 32), "num_warps": (4,), "num_stages": (3,)}
 
 
 def random_params(key, geo: dict) -> dict:
@@ -117,19 +121,24 @@ def fixed_bytes(geo: dict) -> int:
 
 
 def check_agreement(key, geos: dict, tokens) -> list[dict]:
-    """ragged against gather at the largest T of each geometry: relative max abs error."""
+    """Each impl against gather at the largest T of each geometry: relative max abs error."""
     results = []
     b, w = tokens[-1]
-    for name, geo in geos.items():
-        params = random_params(jax.random.fold_in(key, len(results)), geo)
-        x = jax.random.normal(jax.random.fold_in(key, 1000 + len(results)), (b, w, geo["h"]), jnp.bfloat16)
-        ref, out = (jax.jit(block_fn(geo, impl))(x, params).astype(jnp.float32) for impl in ("gather", "ragged"))
-        max_err = float(jnp.max(jnp.abs(out - ref)))
-        rel_err = max_err / max(float(jnp.max(jnp.abs(ref))), 1e-6)
-        ok = bool(jnp.all(jnp.isfinite(out))) and rel_err <= TOLERANCE
-        results.append({"geometry": name, "T": b * w, "max_abs_err": max_err, "rel_err": rel_err, "ok": ok})
-        print(f"check {name} T={b * w} max_abs_err={max_err:.3e} rel={rel_err:.3e} {'ok' if ok else 'FAIL'}",
-              flush=True)
+    for g, (name, geo) in enumerate(geos.items()):
+        params = random_params(jax.random.fold_in(key, g), geo)
+        x = jax.random.normal(jax.random.fold_in(key, 1000 + g), (b, w, geo["h"]), jnp.bfloat16)
+        ref = jax.jit(block_fn(geo, "gather"))(x, params).astype(jnp.float32)
+        for impl in moe.MOE_IMPLS:
+            if impl == "gather":
+                continue
+            out = jax.jit(block_fn(geo, impl))(x, params).astype(jnp.float32)
+            max_err = float(jnp.max(jnp.abs(out - ref)))
+            rel_err = max_err / max(float(jnp.max(jnp.abs(ref))), 1e-6)
+            ok = bool(jnp.all(jnp.isfinite(out))) and rel_err <= TOLERANCE
+            results.append({"geometry": name, "impl": impl, "T": b * w, "max_abs_err": max_err, "rel_err": rel_err,
+                            "ok": ok})
+            print(f"check {name} {impl} T={b * w} max_abs_err={max_err:.3e} rel={rel_err:.3e} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
     return results
 
 
@@ -149,12 +158,40 @@ def time_cells(key, geos: dict, tokens, read_bw: float, iters: int, inner: int) 
                 row[f"{impl}_over_read_bw"] = row["bytes"] / (ms * 1e-3) / read_bw
             row["gate_up_dot_ms"] = gate_up_dot_ms(x, params, geo, iters, inner)
             row["faster"] = min(moe.MOE_IMPLS, key=lambda impl: row[f"{impl}_ms"])
-            row["speedup_ragged_over_gather"] = row["gather_ms"] / row["ragged_ms"]
             cells.append(row)
-            print(f"time {name} T={b * w:2d} distinct={distinct:6.1f} ragged={row['ragged_ms']:.4f}ms "
-                  f"({row['ragged_TBps']:.2f} TB/s) gather={row['gather_ms']:.4f}ms ({row['gather_TBps']:.2f} TB/s) "
+            times = " ".join(f"{impl}={row[f'{impl}_ms']:.4f}ms ({row[f'{impl}_TBps']:.2f} TB/s)"
+                             for impl in moe.MOE_IMPLS)
+            print(f"time {name} T={b * w:3d} distinct={distinct:6.1f} {times} "
                   f"gate_up_dot={row['gate_up_dot_ms']:.4f}ms", flush=True)
     return cells
+
+
+def sweep_tiles(key, geo: dict, grid: dict, iters: int, inner: int) -> list[dict]:
+    """`expert_matmul` alone (the gate/up and the down product of one geometry) per tile setting, at 1 token
+    (k live groups of 1 row) and at 16 (the distinct experts of 16 random routings, groups of up to 16 rows)."""
+    params = random_params(key, geo)
+    rows = []
+    for t in (1, 16):
+        idx = jnp.stack([jax.random.permutation(jax.random.fold_in(key, 7 + r), geo["e"])[:geo["k"]]
+                         for r in range(t)])
+        uniq = jnp.unique(idx)
+        groups = min(geo["e"], t * geo["k"])
+        expert = jnp.full((groups,), -1, jnp.int32).at[:uniq.shape[0]].set(uniq.astype(jnp.int32))
+        for name, w in (("gate_up", params["w_gate_up"]), ("down", params["w_down"])):
+            x = jax.random.normal(jax.random.fold_in(key, t), (groups, t, w.shape[1]), jnp.bfloat16)
+            live_bytes = int(uniq.shape[0]) * w.shape[1] * w.shape[2] * 2
+            for tiles in itertools.product(*grid.values()):
+                setting = dict(zip(grid, tiles))
+
+                def step(a, w, setting=setting):
+                    out = em.expert_matmul(a, w, expert, impl="pallas", **setting)
+                    return a + (1e-6 * out[..., :1]).astype(a.dtype)
+
+                us = per_call_us(step, x, (w,), iters, inner)
+                rows.append({"T": t, "product": name, **setting, "us": us, "live_experts": int(uniq.shape[0]),
+                             "TBps": live_bytes / (us * 1e-6) / 1e12})
+                print(f"sweep T={t:2d} {name:7s} {setting} {us:8.2f} us {rows[-1]['TBps']:.2f} TB/s", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -163,29 +200,37 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", type=int, default=20, help="calls per sample, in one jitted loop")
     ap.add_argument("--quick", "--tiny", action="store_true", help="tiny shapes on the CPU: tests the script")
     ap.add_argument("--out", default=None, help="output JSON file (default bench/results/moe.json)")
+    ap.add_argument("--sweep", action="store_true", help="also time expert_matmul's tile settings (first geometry)")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append",
+                    help="time only these geometries (repeatable; default all)")
     args = ap.parse_args(argv)
     geos, tokens = (QUICK, QUICK_TOKENS) if args.quick else (GEOMETRIES, TOKENS)
+    if args.geometry and not args.quick:
+        geos = {name: geo for name, geo in geos.items() if name in args.geometry}
     iters, inner = (2, 2) if args.quick else (args.iters, args.inner)
     key = jax.random.key(0)
     read_bw = common.hbm_read_bandwidth(common.TINY_PROBE_GIB if args.quick else 4.0)
     payload = common.environment(iters=iters, inner=inner, quick=args.quick)
     payload.update(geometries=geos, tokens=[{"batch": b, "width": w} for b, w in tokens], dtype="bfloat16",
                    norm_topk_prob=True, read_bandwidth_Bps=read_bw, tolerance_rel=TOLERANCE,
-                   gather_max_tokens=moe.GATHER_MAX_TOKENS)
+                   grouped_max_tokens=moe.GROUPED_MAX_TOKENS)
+    if args.sweep:
+        payload["sweep"] = sweep_tiles(key, next(iter(geos.values())), QUICK_SWEEP if args.quick else SWEEP,
+                                       iters, inner)
     payload["checks"] = check_agreement(key, geos, tokens)
     payload["cells"] = time_cells(key, geos, tokens, read_bw, iters, inner)
     payload["faster_by_T"] = {name: {str(c["T"]): c["faster"] for c in payload["cells"] if c["geometry"] == name}
                               for name in geos}
-    print(f"\n{'geometry':24s} {'T':>3s} {'distinct':>8s} {'ragged ms':>10s} {'TB/s':>6s} {'gather ms':>10s} "
-          f"{'TB/s':>6s} {'faster':>7s}")
+    heads = "".join(f" {impl + ' ms':>11s} {'TB/s':>6s}" for impl in moe.MOE_IMPLS)
+    print(f"\n{'geometry':24s} {'T':>3s} {'distinct':>8s}{heads} {'faster':>7s}")
     for c in payload["cells"]:
-        print(f"{c['geometry']:24s} {c['T']:3d} {c['distinct_experts']:8.1f} {c['ragged_ms']:10.4f} "
-              f"{c['ragged_TBps']:6.2f} {c['gather_ms']:10.4f} {c['gather_TBps']:6.2f} {c['faster']:>7s}")
+        times = "".join(f" {c[f'{impl}_ms']:11.4f} {c[f'{impl}_TBps']:6.2f}" for impl in moe.MOE_IMPLS)
+        print(f"{c['geometry']:24s} {c['T']:3d} {c['distinct_experts']:8.1f}{times} {c['faster']:>7s}")
     out = args.out or os.path.join(common.RESULTS, "moe_quick.json" if args.quick else "moe.json")
     common.write_json(os.path.basename(out), payload, os.path.dirname(os.path.abspath(out)))
-    failed = [f"{c['geometry']} T={c['T']}" for c in payload["checks"] if not c["ok"]]
+    failed = [f"{c['geometry']} {c['impl']} T={c['T']}" for c in payload["checks"] if not c["ok"]]
     if failed:
-        print(f"FAIL: ragged disagrees with gather beyond {TOLERANCE} (relative) at: {failed}", file=sys.stderr)
+        print(f"FAIL: disagrees with gather beyond {TOLERANCE} (relative) at: {failed}", file=sys.stderr)
         return 1
     return 0
 

@@ -11,19 +11,20 @@ v [B, C, H, dv]; g, beta [B, C, H]. Inputs may be bf16; the math is float32 and 
 
 `delta_chunk` takes C positions at once in the UT (WY) form: the C updates u solve one unit lower-triangular
 system (I + A) u = beta (v - exp(G) k S0), A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for j < i, G = cumsum(g);
-then o_i = exp(G_i) q_i^T S0 + sum_{j <= i} (q_i . k_j) exp(G_i - G_j) u_j. The states are accumulated from u
-position by position (S_i = exp(g_i) S_{i-1} + k_i u_i^T), unrolled: elementwise work that XLA fuses into one
-pass over the state.
+then o_i = exp(G_i) q_i^T S0 + sum_{j <= i} (q_i . k_j) exp(G_i - G_j) u_j. The block's outputs need no state
+after S0, so `delta_chunk` returns the outputs and the per-position updates u; the state after any prefix of n
+positions is S_n = exp(g_n) S_{n-1} + k_n u_n^T folded from S0 (`state_at`), unrolled: elementwise work that XLA
+fuses into one pass over the state.
 
-Per-position states exist for speculative decoding: a verify may keep any prefix of its block, so `extend` returns
-the state after every position and `commit` selects the one at the last kept position (docs/architecture.md,
-"State of each family"). Masking property, bit for bit in float32: a position with beta = 0 and g = 0 leaves the
-state unchanged (its u is an exact zero and its step multiplies by exp(0) = 1), and no row depends on a later one,
-so masking the positions >= n of a block gives, at positions < n, exactly the unmasked states and outputs, and
-states after them equal to the unmasked `states[:, n - 1]`. A caller that wants the state after a prefix selects it
-(`state_at`) from the same per-position program: a final-state-only variant would compile to other fused code,
-whose rounding may differ in the last bit. `delta_rule` runs a whole prompt chunk by chunk and updates the state
-with one matmul per chunk (fast, not bit-tied to `delta_chunk`).
+This is how speculative decoding keeps any prefix of a verify block: `extend` returns, per position, the update
+(k, u, g) that takes the state one position further (a few KB, where the states themselves are dk x dv floats per
+head and position), and `commit` folds the kept ones into the state (docs/architecture.md, "State of each family").
+Masking property, bit for bit in float32: a position with beta = 0 gets u = 0 exactly, and no row depends on a
+later one, so masking the positions >= n of a block (beta = 0, g = 0) gives, at positions < n, exactly the unmasked
+outputs and updates, and so `state_at(..., n)` the same state from either. A caller that wants the state after a
+prefix folds it with `state_at` from `delta_chunk`'s updates: another program (a final state computed inside the
+chunk) would compile to other fused code, whose rounding may differ in the last bit. `delta_rule` runs a whole
+prompt chunk by chunk and updates the state with one matmul per chunk (fast, not bit-tied to `delta_chunk`).
 
 `causal_conv` is the depthwise causal conv + SiLU in front of the mixer (Hugging Face `causal_conv1d_fn` /
 `causal_conv1d_update`); `conv_state_at` selects its state after any prefix of a block.
@@ -44,29 +45,28 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def delta_chunk(state, q, k, v, g, beta):
-    """C positions in the parallel form. Returns `(out f32[B, C, H, dv], states f32[B, C, H, dk, dv])`, the state
-    after every position."""
+    """C positions in the parallel form from `state`. Returns `(out f32[B, C, H, dv], u f32[B, C, H, dv])`: the
+    outputs, and the updates from which `state_at(state, k, u, g, n)` gives the state after any n positions."""
     _check_delta("delta_chunk", state, q, k, v, g, beta)
     state, q, k, v, g, beta = (x.astype(F32) for x in (state, q, k, v, g, beta))
     out, u, _ = _chunk(state, q, k, v, g, beta)
-
-    def step(s, x):
-        g_i, k_i, u_i = x
-        s = jnp.exp(g_i)[..., None, None] * s + k_i[..., :, None] * u_i[..., None, :]
-        return s, s
-
-    moved = tuple(jnp.moveaxis(x, 1, 0) for x in (g, k, u))
-    # unrolled, the C elementwise steps fuse into one pass over the state instead of C kernels (a verify's 16)
-    _, states = lax.scan(step, state, moved, unroll=True)
-    return out, jnp.moveaxis(states, 0, 1)
+    return out, u
 
 
-def state_at(state, states, n):
-    """Per row, the state after the first `n[b]` positions: `states[b, n[b] - 1]`, or `state[b]` for n = 0.
-    state: [B, ...] before the block; states: `delta_chunk`'s [B, C, ...]; n: int[B] in 0..C."""
-    b = states.shape[0]
-    picked = states[jnp.arange(b), jnp.maximum(n - 1, 0)]
-    return jnp.where((n > 0).reshape((b,) + (1,) * (state.ndim - 1)), picked, state)
+def state_at(state, k, u, g, n):
+    """Per row, the state after the first `n[b]` positions of a block: `state [B, H, dk, dv]` (before it) with the
+    updates `S = exp(g_i) S + k_i u_i^T` of positions i < n[b] applied in order. k: [B, C, H, dk]; u: `delta_chunk`'s
+    [B, C, H, dv]; g: [B, C, H]; n: int[B] in 0..C. The C steps are unrolled so that XLA fuses them into one pass."""
+    b, c = u.shape[:2]
+    n = jnp.asarray(n)
+    if n.shape != (b,) or not jnp.issubdtype(n.dtype, jnp.integer) or k.shape[:2] != (b, c) or g.shape[:2] != (b, c):
+        raise ValueError(f"state_at: expected k [B, C, H, dk], u [B, C, H, dv], g [B, C, H] and integer n [B]; got "
+                         f"k {k.shape}, u {u.shape}, g {g.shape}, n {n.dtype}{list(n.shape)}.")
+    s = state.astype(F32)
+    for i in range(c):
+        step = jnp.exp(g[:, i].astype(F32))[..., None, None] * s + k[:, i, :, :, None] * u[:, i, :, None, :]
+        s = jnp.where((i < n)[:, None, None, None], step, s)
+    return s
 
 
 def delta_rule(state, q, k, v, g, beta, *, chunk: int = 64):

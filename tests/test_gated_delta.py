@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels.gated_delta import causal_conv, conv_state_at, delta_chunk, delta_rule, state_at
 
 chunk_jit = jax.jit(delta_chunk)
+fold_jit = jax.jit(state_at)
 rule_jit = jax.jit(delta_rule, static_argnames="chunk")
 conv_jit = jax.jit(causal_conv)
 state_at_jit = jax.jit(conv_state_at, static_argnames="kernel_size")
@@ -52,22 +53,32 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
 
 
+def states_of(state, k, u, g):
+    """The state after every position `[B, C, ...]`, each folded by `state_at` (as a commit keeping n would)."""
+    b, c = u.shape[:2]
+    return jnp.stack([fold_jit(state, k, u, g, jnp.full((b,), n, jnp.int32)) for n in range(1, c + 1)], 1)
+
+
 @pytest.mark.parametrize("b,c,h,dk,dv", [(2, 1, 3, 8, 4), (2, 16, 2, 8, 16), (1, 64, 2, 16, 8)],
                          ids=["C1", "C16", "C64"])
 def test_delta_chunk_matches_loop(b, c, h, dk, dv):
     inputs = delta_inputs(c, b, c, h, dk, dv)
     want_out, want_states = loop_delta(*inputs)
-    out, states = chunk_jit(*inputs)
-    assert out.dtype == states.dtype == jnp.float32
-    assert states.shape == (b, c, h, dk, dv)
+    out, u = chunk_jit(*inputs)
+    assert out.dtype == u.dtype == jnp.float32
+    assert u.shape == (b, c, h, dv)
+    states = states_of(inputs[0], inputs[2], u, inputs[4])
     assert rel_err(out, want_out) < 1e-5
     assert rel_err(states, want_states) < 1e-5
+    np.testing.assert_array_equal(fold_jit(inputs[0], inputs[2], u, inputs[4], jnp.zeros((b,), jnp.int32)),
+                                  inputs[0])
 
 
 @pytest.mark.parametrize("c", [16, 64])
 def test_masking_is_bit_exact(c):
-    """Positions >= n[b] masked (beta = 0, g = 0, and fresh q, k, v there): the states and outputs before n are
-    the unmasked ones bit for bit, `state_at` picks unmasked states[n - 1] bit for bit, and the state holds after n."""
+    """Positions >= n[b] masked (beta = 0, g = 0, and fresh q, k, v there): the outputs and updates before n are
+    the unmasked ones bit for bit, the masked updates are exact zeros, and so the state folded to n from either is
+    the same to the last bit (what the replay oracle of a commit relies on)."""
     n = np.array([0, 1, c // 2 + 1, c])
     inputs = delta_inputs(1, 4, c, 2, 8, 8)
     state, q, k, v, g, beta = inputs
@@ -75,25 +86,25 @@ def test_masking_is_bit_exact(c):
     late = jnp.asarray(np.arange(c)[None, :, None] >= n[:, None, None])  # [B, C, 1]
     masked = [state] + [jnp.where(late[..., None], b_, a_) for a_, b_ in zip((q, k, v), other[1:4])]
     masked += [jnp.where(late, 0.0, g), jnp.where(late, 0.0, beta)]
-    out, states = chunk_jit(*inputs)
-    m_out, m_states = chunk_jit(*masked)
-    m_final = state_at(state, m_states, jnp.asarray(n))
+    out, u = chunk_jit(*inputs)
+    m_out, m_u = chunk_jit(*masked)
+    final = fold_jit(state, k, u, g, jnp.asarray(n))
+    m_final = fold_jit(state, masked[2], m_u, masked[4], jnp.asarray(n))
+    want = loop_delta(*inputs)[1]
     for row, n_row in enumerate(n):
-        before = np.asarray(state[row]) if n_row == 0 else np.asarray(states[row, n_row - 1])
         assert np.array_equal(m_out[row, :n_row], out[row, :n_row])
-        assert np.array_equal(m_states[row, :n_row], states[row, :n_row])
-        assert np.array_equal(m_final[row], before)
-        # past n the state holds (to the last bit in the reference arithmetic; XLA's fused unrolled steps may round
-        # an FMA differently there): nothing reads it, `state_at` picks the one above
-        np.testing.assert_allclose(m_states[row, n_row:], np.broadcast_to(before, m_states[row, n_row:].shape),
-                                   rtol=1e-6, atol=1e-6)
+        assert np.array_equal(m_u[row, :n_row], u[row, :n_row])
+        assert not np.any(np.asarray(m_u[row, n_row:])), "a masked position's update must be an exact zero"
+        assert np.array_equal(m_final[row], final[row])
+        before = np.asarray(state[row]) if n_row == 0 else want[row, n_row - 1]
+        np.testing.assert_allclose(final[row], before, rtol=1e-5, atol=1e-5)
 
 
 def test_delta_rule_matches_loop_and_chunk():
     inputs = delta_inputs(3, 2, 37, 2, 8, 4)
     want_out, want_states = loop_delta(*inputs)
-    whole_out, whole_states = chunk_jit(*inputs)
-    whole_final = whole_states[:, -1]
+    whole_out, whole_u = chunk_jit(*inputs)
+    whole_final = fold_jit(inputs[0], inputs[2], whole_u, inputs[4], jnp.full((2,), 37, jnp.int32))
     for chunk in (16, 64):  # 37 = 2 * 16 + 5 (padded tail), and one chunk of min(64, 37)
         out, final = rule_jit(*inputs, chunk=chunk)
         assert out.shape == want_out.shape and final.shape == want_states[:, -1].shape
@@ -138,9 +149,10 @@ def test_matches_transformers_gated_delta():
     ours = (jnp.asarray(state), jnp.asarray(np.repeat(q, hv // hk, axis=2) * dk ** -0.5),
             jnp.asarray(np.repeat(k, hv // hk, axis=2)), *(jnp.asarray(x) for x in (v, g, beta)))
     out_rule, final_rule = rule_jit(*ours, chunk=8)
-    out_chunk, states = chunk_jit(*ours)
+    out_chunk, u = chunk_jit(*ours)
+    final_chunk = fold_jit(ours[0], ours[2], u, ours[4], jnp.full((b,), t, jnp.int32))
     for want_out, want_final in (hf_chunk, hf_loop):
-        for out, final in ((out_rule, final_rule), (out_chunk, states[:, -1])):
+        for out, final in ((out_rule, final_rule), (out_chunk, final_chunk)):
             np.testing.assert_allclose(out, want_out.numpy(), rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(final, want_final.numpy(), rtol=1e-4, atol=1e-5)
 
@@ -200,7 +212,8 @@ def test_bf16_inputs_run_in_float32():
     """bf16 inputs are upcast: float32 results, as exact as float32 inputs on the same values."""
     inputs = delta_inputs(9, 1, 16, 2, 8, 8, dtype=jnp.bfloat16)
     want_out, want_states = loop_delta(*(np.asarray(x, np.float32) for x in inputs))
-    out, states = chunk_jit(*inputs)
+    out, u = chunk_jit(*inputs)
+    states = states_of(inputs[0], inputs[2], u, inputs[4])
     out_rule, final = rule_jit(*inputs, chunk=8)
     for got, want in ((out, want_out), (states, want_states), (out_rule, want_out), (final, want_states[:, -1])):
         assert got.dtype == jnp.float32 and np.isfinite(np.asarray(got)).all()

@@ -351,7 +351,7 @@ def test_the_memory_check_counts_one_blocks_per_position_states(monkeypatch):
         real = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pending)) - 4 * batch
         assert target.pending_bytes(batch, width) == real
     drafter = tiny_drafter(target, 16, tap_ids=(0, 1))
-    batch, capacity = 64, 64
+    batch, capacity = 128, 64
     caches = common.cache_bytes(target, drafter, batch, capacity)
     assert target.pending_bytes(batch, 16) > 1 << 20
     monkeypatch.setattr(common, "free_memory", lambda device=None: (caches + 1000, "cuda:0"))

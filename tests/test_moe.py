@@ -180,8 +180,8 @@ def test_experts_alone_weights_each_chosen_expert():
 
 def test_default_impl():
     assert moe.default_impl("cpu") == moe.default_impl("cpu", tokens=48) == "gather"
-    assert moe.default_impl("gpu") == moe.default_impl("gpu", tokens=moe.GATHER_MAX_TOKENS) == "gather"
-    assert moe.default_impl("gpu", tokens=moe.GATHER_MAX_TOKENS + 1) == "ragged"
+    assert moe.default_impl("gpu") == moe.default_impl("gpu", tokens=moe.GROUPED_MAX_TOKENS) == "grouped"
+    assert moe.default_impl("gpu", tokens=moe.GROUPED_MAX_TOKENS + 1) == "ragged"
     assert moe.default_impl() in MOE_IMPLS
 
 
@@ -192,7 +192,7 @@ def test_bad_arguments_are_refused():
     def call(impl="gather", top_k=2, norm=True, **changed):
         return moe_block(x, {**params, **changed}, top_k=top_k, norm_topk_prob=norm, impl=impl)
 
-    with pytest.raises(ValueError, match=r"impl='dense' is not supported; choose one of \('ragged', 'gather'\)"):
+    with pytest.raises(ValueError, match=r"impl='dense' is not supported; choose one of \('grouped', 'ragged', 'gather'\)"):
         call(impl="dense")
     with pytest.raises(ValueError, match=r"top_k=9 must be an int in \[1, 8\]"):
         call(impl="ragged", top_k=9)

@@ -60,9 +60,10 @@ def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Ar
     """The layer on normed `x [B, W, H]` after `conv_state [B, K-1, conv_dim]` and `ssm_state f32[B, nv, hk, hv]`.
 
     Returns `(out [B, W, H], conv, ssm)`. Without `valid`: `conv` is the window `[B, K-1+W, conv_dim]` holding
-    the conv state after every position and `ssm` the state after every position `f32[B, W, nv, hk, hv]`, so
-    that any prefix can be kept. With `valid [B]`: positions from `valid[b]` on are padding (gates masked so
-    they leave the state as it is) and `conv`, `ssm` are the states after the first `valid[b]` positions.
+    the conv state after every position, and `ssm` the per-position updates `(k, u, g)` from which
+    `gated_delta.state_at` folds the state after any prefix, so that any prefix can be kept. With `valid [B]`:
+    positions from `valid[b]` on are padding (gates masked so they leave the state as it is) and `conv`, `ssm` are
+    the states after the first `valid[b]` positions.
     """
     b, w, _ = x.shape
     nk, nv, hk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
@@ -82,11 +83,10 @@ def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Ar
     if valid is not None and w >= GDN_CHUNK:
         o, ssm = delta_rule(ssm_state, q, k, v, g, beta, chunk=GDN_CHUNK)
     else:
-        o, ssm = delta_chunk(ssm_state, q, k, v, g, beta)
-    conv = window
-    if valid is not None:  # a narrow block selects from the same per-position program as a verify: bit for bit
-        ssm = ssm if w >= GDN_CHUNK else state_at(ssm_state, ssm, valid)
-        conv = conv_state_at(window, valid, kernel_size=cfg.linear_conv_kernel)
+        o, u = delta_chunk(ssm_state, q, k, v, g, beta)
+        # a narrow block folds its state from the same updates as a verify's commit: bit for bit
+        ssm = (k, u, g) if valid is None else state_at(ssm_state, k, u, g, valid)
+    conv = window if valid is None else conv_state_at(window, valid, kernel_size=cfg.linear_conv_kernel)
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
     return matmul(o.reshape(b, w, cfg.value_dim), p["out_proj"]), conv, ssm
 

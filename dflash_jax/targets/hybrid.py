@@ -6,10 +6,10 @@ layers (a per-head output gate, zero-centred q/k norms, partial rotary; a KV cac
 MLP or a mixture of experts with a shared expert (`moe.py`). Layers are unrolled in Python, as in `dense.py`.
 
 Rollback is `commit` alone. `extend` writes the attention layers' K/V at `start` and returns as `pending`
-the linear layers' conv and recurrent state after every position of the block; `commit` moves `seq_len` and
-selects, per row, the state after the last kept position. No replay, no copy-back. Prefill passes `valid`
-(the prompt positions of the chunk), and `pending` is then the state after them: a per-position state of
-a 512-token chunk would not fit.
+what gives the linear layers' state after any position of the block: the conv window, and the recurrent
+update of every position (`gdn.gated_delta_net`); `commit` moves `seq_len` and, per row, selects the conv
+state and folds the recurrent state up to the last kept position. No replay of the model, no copy-back.
+Prefill passes `valid` (the prompt positions of the chunk), and `pending` is then the state after them.
 """
 from __future__ import annotations
 
@@ -68,9 +68,9 @@ class HybridState:
 
 @struct.dataclass
 class HybridPending:
-    """What `commit` needs: the block's `start`, and per linear layer either the states after every position
-    (`per_position`: conv windows `[B, K-1+W, C]`, recurrent states `[B, W, nv, hk, hv]`) or the states after
-    the block's `valid` positions."""
+    """What `commit` needs: the block's `start`, and per linear layer either what keeps any prefix
+    (`per_position`: the conv window `[B, K-1+W, C]` and the recurrent updates `(k [B, W, nv, hk], u [B, W, nv, hv],
+    g [B, W, nv])` float32, `gdn.gated_delta_net`) or the states after the block's `valid` positions."""
 
     start: jax.Array
     conv: tuple
@@ -265,10 +265,10 @@ class HybridTarget(Target):
         return self._apply(HybridLM.embed, tokens)
 
     def pending_bytes(self, batch: int, width: int) -> int:
-        """Per linear layer, the conv window and the float32 recurrent state after every position."""
+        """Per linear layer, the conv window and the float32 recurrent updates (k, u, g) of every position."""
         c = self.config
         window = (c.linear_conv_kernel - 1 + width) * c.conv_dim * self.params["embed"].dtype.itemsize
-        states = width * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        states = width * c.linear_num_value_heads * (c.linear_key_head_dim + c.linear_value_head_dim + 1) * 4
         return batch * len(c.linear_layers) * (window + states)
 
     def extend(self, state: HybridState, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla",
@@ -283,7 +283,7 @@ class HybridTarget(Target):
         if pending.per_position:
             k = self.config.linear_conv_kernel
             conv = tuple(conv_state_at(window, kept, kernel_size=k) for window in pending.conv)
-            ssm = tuple(state_at(old, states, kept) for old, states in zip(state.ssm, pending.ssm))
+            ssm = tuple(state_at(old, *updates, kept) for old, updates in zip(state.ssm, pending.ssm))
         else:
             conv, ssm = pending.conv, pending.ssm
         return state.replace(conv=conv, ssm=ssm, seq_len=(pending.start + kept).astype(jnp.int32))

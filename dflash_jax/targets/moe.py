@@ -5,9 +5,11 @@ softmax in float32, top-k, optionally renormalised to sum 1, weights cast to x's
 expert e is a SwiGLU MLP (`w_gate_up[e] [H, 2I]`, `w_down[e] [I, H]`); the block output is
 `sum_k weight_k * expert_k(x) + sigmoid(x @ shared_gate) * shared_swiglu(x)`. Weights are `[in, out]`.
 
-The routed experts have two implementations (`MOE_IMPLS`), both accumulating in float32:
-- `"ragged"`: the T*k (token, expert) rows sorted by expert and multiplied by `jax.lax.ragged_dot`
-  with one group per expert, then un-sorted (a gather, so the sum over k keeps a fixed order).
+The routed experts have three implementations (`MOE_IMPLS`), all accumulating in float32:
+- `"grouped"`: the T*k (token, expert) rows sorted by expert into one group per distinct expert, each group
+  multiplied by its expert's matrices read in place (`pallas_kernels/expert_matmul.py`, a Pallas kernel),
+  then un-sorted (a gather, so the sum over k keeps a fixed order). Each chosen expert is read once.
+- `"ragged"`: the same sorted rows multiplied by `jax.lax.ragged_dot` with one group per expert (all E).
 - `"gather"`: each token's k experts' weights gathered (`[T, k, H, 2I]`) and contracted by einsum.
 """
 from __future__ import annotations
@@ -18,25 +20,24 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.targets.layers import exact, matmul, swiglu
+from pallas_kernels.expert_matmul import expert_matmul
 
-MOE_IMPLS = ("ragged", "gather")
+MOE_IMPLS = ("grouped", "ragged", "gather")
 
-GATHER_MAX_TOKENS = 3
-"""On a GPU, blocks of up to this many tokens gather their experts. The H200 (bench/results/moe_partial.json,
-Qwen3.5-35B-A3B experts, bf16): gather 0.128 ms against ragged_dot 0.449 ms at 1 token, 0.244 against 0.479 ms
-at 3. Wider blocks (a verify: 16 or 48 tokens) were not measured before the device time ran out; they take
-`ragged_dot`, which reads each chosen expert once where the gather copies it per token."""
+GROUPED_MAX_TOKENS = 64
+"""On a GPU, blocks of up to this many tokens take `"grouped"`, wider ones (prefill chunks) `ragged_dot`: on the
+H200 (bench/results/moe.json, Qwen3.5-35B-A3B experts, bf16) ..."""
 
 PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
 
 
 def default_impl(backend: str | None = None, tokens: int = 1) -> str:
-    """The impl for a block of `tokens` tokens: on a GPU `"gather"` up to `GATHER_MAX_TOKENS`, else `"ragged"`;
-    off a GPU always `"gather"` (there `ragged_dot` multiplies every row by every expert, a dense
-    `[E, T*k, H]` expansion, while the gather touches only the chosen ones)."""
+    """The impl for a block of `tokens` tokens: on a GPU `"grouped"` up to `GROUPED_MAX_TOKENS`, else `"ragged"`;
+    off a GPU always `"gather"` (there the Pallas kernel would run interpreted, and `ragged_dot` multiplies every
+    row by every expert, a dense `[E, T*k, H]` expansion, while the gather touches only the chosen ones)."""
     if (backend or jax.default_backend()) != "gpu":
         return "gather"
-    return "gather" if tokens <= GATHER_MAX_TOKENS else "ragged"
+    return "grouped" if tokens <= GROUPED_MAX_TOKENS else "ragged"
 
 
 def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -60,7 +61,7 @@ def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Arr
     products accumulate in float32 (full float32 for float32 inputs); the SwiGLU activation is cast to
     x.dtype before the down projection, as transformers does."""
     _check_experts(x, weights, idx, w_gate_up, w_down, impl)
-    y = _ragged(x, idx, w_gate_up, w_down) if impl == "ragged" else _gather(x, idx, w_gate_up, w_down)
+    y = {"grouped": _grouped, "ragged": _ragged, "gather": _gather}[impl](x, idx, w_gate_up, w_down)
     return jnp.sum(weights.astype(jnp.float32)[..., None] * y, axis=1).astype(x.dtype)
 
 
@@ -82,6 +83,26 @@ def _rows_by_expert(x, idx, num_experts):
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return jnp.take(x, order // idx.shape[1], axis=0), sizes, order
+
+
+def _grouped(x, idx, w_gate_up, w_down):
+    """Per-(token, expert) outputs `[T, k, H]` float32: rows grouped by distinct expert, `G = min(E, T*k)` groups
+    of up to T rows (an expert appears at most once per token); unused groups have expert -1 and cost nothing."""
+    t, k = idx.shape
+    n = t * k
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    by_expert = flat[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), by_expert[1:] != by_expert[:-1]])
+    group = jnp.cumsum(first) - 1
+    slot = jnp.arange(n) - jax.lax.cummax(jnp.where(first, jnp.arange(n), 0))
+    groups = min(w_gate_up.shape[0], n)
+    expert = jnp.full((groups,), -1, jnp.int32).at[group].set(by_expert.astype(jnp.int32))
+    rows = jnp.zeros((groups, t, x.shape[1]), x.dtype).at[group, slot].set(jnp.take(x, order // k, axis=0))
+    act = _swiglu_act(expert_matmul(rows, w_gate_up, expert, impl="pallas"), x.dtype)
+    y = expert_matmul(act, w_down, expert, impl="pallas")
+    back = jnp.argsort(order)
+    return y[group[back], slot[back]].reshape(t, k, -1)
 
 
 def _gather(x, idx, w_gate_up, w_down):
@@ -173,4 +194,4 @@ def _check_block(x, params, impl) -> None:
                          f"{params['shared_gate'].shape} do not fit H = {h}; expected [{h}, 2Is], [Is, {h}], [{h}, 1].")
 
 
-__all__ = ["GATHER_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block", "route"]
+__all__ = ["GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block", "route"]

@@ -1,0 +1,138 @@
+"""Grouped expert products for a few tokens: each group of rows times one expert's matrix.
+
+    out[g] = x[g] @ w[expert[g]]        (float32 accumulation; groups with expert[g] < 0 give zeros)
+
+x `[G, M, K]` (M rows per group, zero-padded), w `[E, K, N]`, expert int32 `[G]`. The MoE block of a
+hybrid target (dflash_jax/targets/moe.py, `impl="grouped"`) sorts its T*k (token, expert) rows by
+expert into groups, one per distinct expert, so each chosen expert is read once however many of
+the block's tokens chose it. That is what a decode step (1 token, 8 experts) and a verify (16 tokens,
+about 100 distinct experts of 256) must read; `jax.lax.ragged_dot` walks every one of the E groups
+and a gather copies each expert per token.
+
+`impl="xla"` is the jnp reference (a gather of the G matrices, then one batched product).
+`impl="pallas"` reads each live group's matrix straight from `w` (its index comes from `expert`,
+so nothing is copied) in `[BLOCK_K, BLOCK_N]` tiles, software-pipelined; a dead group's program
+runs no tile and writes zeros. Grid: (group, output tile).
+
+Lowering: Triton. The expert index selects the matrix inside the kernel, a dynamic offset on
+the weight's leading axis; Mosaic GPU on JAX 0.11 takes block offsets only from the grid
+(BlockSpec index maps), and its WGMMA tiles need 64 rows where a group has 16.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.windowed_attention import _triton_compiler_params
+
+IMPLS = ("xla", "pallas")
+ROWS = 16
+"""Rows per group are padded to a multiple of this (Triton's smallest matmul tile)."""
+
+# Tile settings, picked with `bench/moe.py --sweep` on an H200 (JAX 0.11.2).
+BLOCK_K = 128
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 4
+
+
+def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = "xla",
+                  interpret: bool | None = None, **tiles) -> jax.Array:
+    """`float32[G, M, N]`: group g's rows `x[g]` times `w[expert[g]]`, zeros where `expert[g] < 0`.
+
+    x `[G, M, K]` and w `[E, K, N]` share a floating dtype; expert int `[G]` in `[-1, E)`. float32
+    inputs multiply at full float32 precision. `interpret` as in `block_attention`: None runs the
+    kernel compiled on CUDA and interpreted elsewhere. `tiles` (block_k, block_n, num_warps,
+    num_stages) override the module's tile settings, for sweeps."""
+    _check(x, w, expert, impl)
+    expert = expert.astype(jnp.int32)
+    if impl == "xla":
+        return _reference(x, w, expert)
+    kernel = functools.partial(_pallas, **tiles)
+    if interpret is not None:
+        return kernel(x, w, expert, interpret=interpret)
+    return lax.platform_dependent(x, w, expert, cuda=functools.partial(kernel, interpret=False),
+                                  rocm=functools.partial(kernel, interpret=False),
+                                  default=functools.partial(kernel, interpret=True))
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _reference(x, w, expert):
+    mats = jnp.take(w, jnp.maximum(expert, 0), axis=0)
+    out = jnp.einsum("gmk,gkn->gmn", x, mats, precision=_precision(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.where((expert >= 0)[:, None, None], out, 0.0)
+
+
+def _kernel(e_ref, x_ref, w_ref, o_ref, *, block_k, block_n, precision):
+    """One (group, output tile): the K/block_k tiles of the group's expert, accumulated in float32."""
+    e = e_ref[()]
+    cols = pl.ds(pl.program_id(1) * block_n, block_n)
+
+    def step(t, acc):
+        rows = pl.ds(t * block_k, block_k)
+        return acc + jnp.dot(x_ref[:, rows], w_ref[e, rows, cols], precision=precision,
+                             preferred_element_type=jnp.float32)
+
+    @pl.when(e >= 0)
+    def _live():
+        o_ref[...] = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
+
+    @pl.when(e < 0)
+    def _dead():
+        o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+
+
+def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
+            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
+    """Pad rows to `ROWS`, K and N to their tiles (zeros add nothing), run the grid, crop."""
+    g, m, k = x.shape
+    n = w.shape[2]
+    block_k = min(block_k, max(16, pl.next_power_of_2(k)))
+    block_n = min(block_n, max(16, pl.next_power_of_2(n)))
+    mp, kp, np_ = _round_up(m, ROWS), _round_up(k, block_k), _round_up(n, block_n)
+    x = jnp.pad(x, ((0, 0), (0, mp - m), (0, kp - k)))
+    if (kp, np_) != (k, n):
+        w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
+    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, precision=_precision(x.dtype))
+    out = pl.pallas_call(
+        kernel,
+        grid=(g, np_ // block_n),
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, j: (i,)),
+            pl.BlockSpec((None, mp, kp), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec(w.shape, lambda i, j: (0, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, mp, block_n), lambda i, j: (i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((g, mp, np_), jnp.float32),
+        compiler_params=_triton_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="expert_matmul",
+    )(expert, x, w)
+    return out[:, :m, :n]
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _check(x, w, expert, impl) -> None:
+    """Refuse a bad impl, dtype or shape here, with a sentence, instead of deep inside XLA."""
+    if impl not in IMPLS:
+        raise ValueError(f"expert_matmul: impl={impl!r} is not supported; choose one of {IMPLS}.")
+    if x.ndim != 3 or w.ndim != 3 or expert.ndim != 1 or x.shape[2] != w.shape[1] or expert.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_matmul: takes x [G, M, K], w [E, K, N] and expert [G]; got x {x.shape}, "
+                         f"w {w.shape}, expert {expert.shape}.")
+    if x.dtype != w.dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"expert_matmul: x and w must share one floating dtype; got {x.dtype} and {w.dtype}.")
+    if not jnp.issubdtype(expert.dtype, jnp.integer):
+        raise ValueError(f"expert_matmul: expert has dtype {expert.dtype}; expected integer ids in [-1, {w.shape[0]}).")
+
+
+__all__ = ["IMPLS", "expert_matmul"]
