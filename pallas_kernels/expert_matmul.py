@@ -12,7 +12,9 @@ and a gather copies each expert per token.
 `impl="xla"` is the jnp reference (a gather of the G matrices, then one batched product).
 `impl="pallas"` reads each live group's matrix straight from `w` (its index comes from `expert`,
 so nothing is copied) in `[BLOCK_K, BLOCK_N]` tiles, software-pipelined; a dead group's program
-runs no tile and writes zeros. Grid: (group, output tile).
+runs no tile and writes zeros. Grid: (group, output tile, K split). A decode step has only k
+groups of one row, so K is split until the grid has about `TARGET_PROGRAMS` programs (the H200
+has 132 SMs); the splits' partial products are summed afterwards, in a fixed order.
 
 Lowering: Triton. The expert index selects the matrix inside the kernel, a dynamic offset on
 the weight's leading axis; Mosaic GPU on JAX 0.11 takes block offsets only from the grid
@@ -33,11 +35,12 @@ IMPLS = ("xla", "pallas")
 ROWS = 16
 """Rows per group are padded to a multiple of this (Triton's smallest matmul tile)."""
 
-# Tile settings, picked with `bench/moe.py --sweep` on an H200 (JAX 0.11.2).
+# Tile settings, picked with `bench/moe.py --sweep` on an H200 (JAX 0.11.2, bench/results/moe.json).
 BLOCK_K = 128
-BLOCK_N = 64
+BLOCK_N = 128
 NUM_WARPS = 4
-NUM_STAGES = 4
+NUM_STAGES = 3
+TARGET_PROGRAMS = 264
 
 
 def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = "xla",
@@ -47,7 +50,7 @@ def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = 
     x `[G, M, K]` and w `[E, K, N]` share a floating dtype; expert int `[G]` in `[-1, E)`. float32
     inputs multiply at full float32 precision. `interpret` as in `block_attention`: None runs the
     kernel compiled on CUDA and interpreted elsewhere. `tiles` (block_k, block_n, num_warps,
-    num_stages) override the module's tile settings, for sweeps."""
+    num_stages, target_programs) override the module's settings, for sweeps."""
     _check(x, w, expert, impl)
     expert = expert.astype(jnp.int32)
     if impl == "xla":
@@ -70,28 +73,35 @@ def _reference(x, w, expert):
     return jnp.where((expert >= 0)[:, None, None], out, 0.0)
 
 
-def _kernel(e_ref, x_ref, w_ref, o_ref, *, block_k, block_n, precision):
-    """One (group, output tile): the K/block_k tiles of the group's expert, accumulated in float32."""
+def _kernel(e_ref, x_ref, w_ref, o_ref, *, block_k, block_n, steps, precision):
+    """One (group, output tile, K split): `steps` tiles of the group's expert, accumulated in float32."""
     e = e_ref[()]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
+    first = pl.program_id(2) * steps
 
     def step(t, acc):
-        rows = pl.ds(t * block_k, block_k)
+        rows = pl.ds((first + t) * block_k, block_k)
         return acc + jnp.dot(x_ref[:, rows], w_ref[e, rows, cols], precision=precision,
                              preferred_element_type=jnp.float32)
 
     @pl.when(e >= 0)
     def _live():
-        o_ref[...] = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
+        o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
 
     @pl.when(e < 0)
     def _dead():
         o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
 
 
+def _splits(programs: int, k_steps: int, target: int) -> int:
+    """The largest divisor of `k_steps` not above the splits that bring `programs` up to about `target`."""
+    want = max(1, min(k_steps, -(-target // programs)))
+    return max(d for d in range(1, want + 1) if k_steps % d == 0)
+
+
 def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
-            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
-    """Pad rows to `ROWS`, K and N to their tiles (zeros add nothing), run the grid, crop."""
+            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, target_programs: int = TARGET_PROGRAMS):
+    """Pad rows to `ROWS`, K and N to their tiles (zeros add nothing), run the grid, sum the splits, crop."""
     g, m, k = x.shape
     n = w.shape[2]
     block_k = min(block_k, max(16, pl.next_power_of_2(k)))
@@ -100,22 +110,25 @@ def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = B
     x = jnp.pad(x, ((0, 0), (0, mp - m), (0, kp - k)))
     if (kp, np_) != (k, n):
         w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
-    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, precision=_precision(x.dtype))
+    n_tiles = np_ // block_n
+    splits = _splits(g * n_tiles, kp // block_k, target_programs)
+    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, steps=kp // block_k // splits,
+                               precision=_precision(x.dtype))
     out = pl.pallas_call(
         kernel,
-        grid=(g, np_ // block_n),
+        grid=(g, n_tiles, splits),
         in_specs=[
-            pl.BlockSpec((None,), lambda i, j: (i,)),
-            pl.BlockSpec((None, mp, kp), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec(w.shape, lambda i, j: (0, 0, 0)),
+            pl.BlockSpec((None,), lambda i, j, s: (i,)),
+            pl.BlockSpec((None, mp, kp), lambda i, j, s: (i, 0, 0)),
+            pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, mp, block_n), lambda i, j: (i, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((g, mp, np_), jnp.float32),
+        out_specs=pl.BlockSpec((None, None, mp, block_n), lambda i, j, s: (s, i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, g, mp, np_), jnp.float32),
         compiler_params=_triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="expert_matmul",
     )(expert, x, w)
-    return out[:, :m, :n]
+    return functools.reduce(jnp.add, list(out))[:, :m, :n]
 
 
 def _round_up(n: int, m: int) -> int:

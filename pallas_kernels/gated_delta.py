@@ -62,6 +62,8 @@ def state_at(state, k, u, g, n):
     if n.shape != (b,) or not jnp.issubdtype(n.dtype, jnp.integer) or k.shape[:2] != (b, c) or g.shape[:2] != (b, c):
         raise ValueError(f"state_at: expected k [B, C, H, dk], u [B, C, H, dv], g [B, C, H] and integer n [B]; got "
                          f"k {k.shape}, u {u.shape}, g {g.shape}, n {n.dtype}{list(n.shape)}.")
+    # the updates as stored: XLA would otherwise fuse their producers (an L2 norm) into the fold, once per state entry
+    k, u, g = lax.optimization_barrier((k, u, g))
     s = state.astype(F32)
     for i in range(c):
         step = jnp.exp(g[:, i].astype(F32))[..., None, None] * s + k[:, i, :, :, None] * u[:, i, :, None, :]

@@ -45,13 +45,15 @@ def test_matches_the_loop(impl, g, m, k, n, e, expert):
 
 
 def test_kernel_equals_reference_with_small_tiles_and_bf16():
-    """Tile overrides (several K steps, several output tiles per group) and bf16 inputs: the kernel accumulates
-    in float32 like the reference, so they agree to float32 rounding."""
+    """Tile overrides (several K steps, several output tiles per group, with and without K splits) and bf16
+    inputs: the kernel accumulates in float32 like the reference, so they agree to float32 rounding."""
     x, w = inputs(6, 4, 96, 48, 9, jnp.bfloat16, seed=3)
     expert = jnp.asarray([8, 2, 2, -1, 0, 5], jnp.int32)
     ref = expert_matmul(x, w, expert, impl="xla")
-    out = expert_matmul(x, w, expert, impl="pallas", block_k=32, block_n=16)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
+    for splits in (1, 3):  # one program per (group, tile), or K cut into 3 splits summed afterwards
+        out = expert_matmul(x, w, expert, impl="pallas", block_k=32, block_n=16,
+                            target_programs=1 if splits == 1 else 10**6)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
     assert float(jnp.max(jnp.abs(ref))) > 1.0
 
 

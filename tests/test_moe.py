@@ -58,6 +58,7 @@ CASES = [
     pytest.param(7, 16, 5, 8, 6, 5, False, id="kE-raw"),
     pytest.param(7, 16, 5, 8, 6, 5, True, id="kE-norm"),
     pytest.param(2, 16, 16, 8, 8, 3, True, id="most-experts-unused"),
+    pytest.param(1, 16, 8, 12, 10, 3, True, id="one-token-decode"),
 ]
 
 
