@@ -29,28 +29,111 @@ prompt chunk by chunk and updates the state with one matmul per chunk (fast, not
 `causal_conv` is the depthwise causal conv + SiLU in front of the mixer (Hugging Face `causal_conv1d_fn` /
 `causal_conv1d_update`); `conv_state_at` selects its state after any prefix of a block.
 
-Pure jnp: on a GPU too this XLA form is the default until an H200 benchmark shows a Pallas kernel faster.
+`delta_chunk(..., impl="pallas")` runs one block in a Pallas kernel (Triton lowering, as the other kernels here):
+one program per (row, value head, `DV_TILE` value channels) computes the scores, the system, its inverse, u and the
+outputs on chip. XLA's form of the same block is a dozen small kernels per layer (batched triangular solve,
+transposes, small einsums), which made the 9B-shaped hybrid's verify 1.45 plain steps on the H200
+(bench/results/profile_round_qwen3.5-9b.json). The inverse of the unit lower-triangular I + A (A strictly lower, so
+nilpotent) is the product (I - A)(I + A^2)(I + A^4)...: log2(C) small matmuls instead of C dependent row steps.
+Zero entries stay exact zeros through it, so the masking property holds for the kernel too. `impl="xla"` is the
+jnp reference and the CPU default.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.windowed_attention import _triton_compiler_params
+
+IMPLS = ("xla", "pallas")
+DV_TILE = 64
+"""Value channels per program: the state tile [dk, DV_TILE] float32 stays in registers."""
+NUM_WARPS = 4
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 """Every product here is float32: full float32 (a GPU would round it through TF32 by default)."""
 
 
-def delta_chunk(state, q, k, v, g, beta):
+def delta_chunk(state, q, k, v, g, beta, *, impl: str = "xla", interpret: bool | None = None):
     """C positions in the parallel form from `state`. Returns `(out f32[B, C, H, dv], u f32[B, C, H, dv])`: the
-    outputs, and the updates from which `state_at(state, k, u, g, n)` gives the state after any n positions."""
+    outputs, and the updates from which `state_at(state, k, u, g, n)` gives the state after any n positions.
+    `impl="pallas"` runs the kernel (module docstring; a single position takes the jnp form, which has no
+    system to solve); `interpret` as in `block_attention`."""
     _check_delta("delta_chunk", state, q, k, v, g, beta)
+    if impl not in IMPLS:
+        raise ValueError(f"delta_chunk: impl={impl!r} is not supported; choose one of {IMPLS}.")
     state, q, k, v, g, beta = (x.astype(F32) for x in (state, q, k, v, g, beta))
-    out, u, _ = _chunk(state, q, k, v, g, beta)
-    return out, u
+    if impl == "xla" or q.shape[1] == 1:
+        out, u, _ = _chunk(state, q, k, v, g, beta)
+        return out, u
+    args = (state, q, k, v, jnp.cumsum(g, axis=1), beta)
+    if interpret is not None:
+        return _chunk_pallas(*args, interpret=interpret)
+    return lax.platform_dependent(*args, cuda=functools.partial(_chunk_pallas, interpret=False),
+                                  rocm=functools.partial(_chunk_pallas, interpret=False),
+                                  default=functools.partial(_chunk_pallas, interpret=True))
+
+
+def _chunk_kernel(s_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, o_ref, u_ref, *, squarings):
+    """One (row, head, value tile): the block's outputs and updates from the state tile, all on chip."""
+    dot = functools.partial(lax.dot_general, precision=HIGHEST, preferred_element_type=F32)
+    mm = functools.partial(dot, dimension_numbers=(((1,), (0,)), ((), ())))
+    q, k, s0 = q_ref[...], k_ref[...], s_ref[...]
+    gc, beta = gc_ref[...], beta_ref[...]
+    c = q.shape[0]
+    i = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    j = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    decay = jnp.exp(jnp.where(j <= i, gc[:, None] - gc[None, :], -jnp.inf))
+    scores = dot(q, k, (((1,), (1,)), ((), ()))) * decay
+    a = jnp.where(j < i, dot(k, k, (((1,), (1,)), ((), ()))) * decay * beta[:, None], 0.0)
+    eye = jnp.where(i == j, 1.0, 0.0).astype(F32)
+    inverse, power = eye - a, a
+    for _ in range(squarings):  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A^C = 0
+        power = mm(power, power)
+        inverse = mm(inverse, eye + power)
+    g_exp = jnp.exp(gc)[:, None]
+    rhs = beta[:, None] * v_ref[...] - g_exp * mm(k * beta[:, None], s0)
+    u = mm(inverse, rhs)
+    u_ref[...] = u
+    o_ref[...] = g_exp * mm(q, s0) + mm(scores, u)
+
+
+def _chunk_pallas(state, q, k, v, gcum, beta, *, interpret):
+    """Pad C to a power of two >= 16 (padded rows: beta = 0, so u = 0, and no earlier row reads them; the cumulative
+    decay carried on), dk with zeros to one as well, and dv to the value tile; run the grid; crop."""
+    b, c, h, dk = q.shape
+    dv = v.shape[-1]
+    cp, dkp = max(16, pl.next_power_of_2(c)), max(16, pl.next_power_of_2(dk))
+    dt = min(DV_TILE, max(16, pl.next_power_of_2(dv)))
+    dvp = -(-dv // dt) * dt
+
+    def pad(x, sizes, mode="constant"):
+        return jnp.pad(x, [(0, size - n) for n, size in zip(x.shape, sizes)], mode=mode)
+
+    q, k = (pad(x, (b, cp, h, dkp)) for x in (q, k))
+    v, state = pad(v, (b, cp, h, dvp)), pad(state, (b, h, dkp, dvp))
+    gcum, beta = pad(gcum, (b, cp, h), mode="edge"), pad(beta, (b, cp, h))
+    keys = pl.BlockSpec((None, cp, None, dkp), lambda r, hh, t: (r, 0, hh, 0))
+    values = pl.BlockSpec((None, cp, None, dt), lambda r, hh, t: (r, 0, hh, t))
+    per_position = pl.BlockSpec((None, cp, None), lambda r, hh, t: (r, 0, hh))
+    out, u = pl.pallas_call(
+        functools.partial(_chunk_kernel, squarings=cp.bit_length() - 2),
+        grid=(b, h, dvp // dt),
+        in_specs=[pl.BlockSpec((None, None, dkp, dt), lambda r, hh, t: (r, hh, 0, t)), keys, keys, values,
+                  per_position, per_position],
+        out_specs=[values, values],
+        out_shape=[jax.ShapeDtypeStruct((b, cp, h, dvp), F32)] * 2,
+        compiler_params=_triton_compiler_params(NUM_WARPS, 1),
+        interpret=interpret,
+        name="delta_chunk",
+    )(state, q, k, v, gcum, beta)
+    return out[:, :c, :, :dv], u[:, :c, :, :dv]
 
 
 def state_at(state, k, u, g, n):
@@ -62,11 +145,12 @@ def state_at(state, k, u, g, n):
     if n.shape != (b,) or not jnp.issubdtype(n.dtype, jnp.integer) or k.shape[:2] != (b, c) or g.shape[:2] != (b, c):
         raise ValueError(f"state_at: expected k [B, C, H, dk], u [B, C, H, dv], g [B, C, H] and integer n [B]; got "
                          f"k {k.shape}, u {u.shape}, g {g.shape}, n {n.dtype}{list(n.shape)}.")
-    # the updates as stored: XLA would otherwise fuse their producers (an L2 norm) into the fold, once per state entry
-    k, u, g = lax.optimization_barrier((k, u, g))
+    # decays and updates materialised first: fused into the fold, their producers (exp, an L2 norm) would run once
+    # per state entry and position (33M exps a layer at the 9B shape)
+    k, u, decay = lax.optimization_barrier((k.astype(F32), u, jnp.exp(g.astype(F32))))
     s = state.astype(F32)
     for i in range(c):
-        step = jnp.exp(g[:, i].astype(F32))[..., None, None] * s + k[:, i, :, :, None] * u[:, i, :, None, :]
+        step = decay[:, i][..., None, None] * s + k[:, i, :, :, None] * u[:, i, :, None, :]
         s = jnp.where((i < n)[:, None, None, None], step, s)
     return s
 

@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.gated_delta import causal_conv, conv_state_at, delta_chunk, delta_rule, state_at
 
-chunk_jit = jax.jit(delta_chunk)
+chunk_jit = jax.jit(delta_chunk, static_argnames="impl")
 fold_jit = jax.jit(state_at)
 rule_jit = jax.jit(delta_rule, static_argnames="chunk")
 conv_jit = jax.jit(causal_conv)
@@ -74,8 +74,9 @@ def test_delta_chunk_matches_loop(b, c, h, dk, dv):
                                   inputs[0])
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("c", [16, 64])
-def test_masking_is_bit_exact(c):
+def test_masking_is_bit_exact(c, impl):
     """Positions >= n[b] masked (beta = 0, g = 0, and fresh q, k, v there): the outputs and updates before n are
     the unmasked ones bit for bit, the masked updates are exact zeros, and so the state folded to n from either is
     the same to the last bit (what the replay oracle of a commit relies on)."""
@@ -86,8 +87,8 @@ def test_masking_is_bit_exact(c):
     late = jnp.asarray(np.arange(c)[None, :, None] >= n[:, None, None])  # [B, C, 1]
     masked = [state] + [jnp.where(late[..., None], b_, a_) for a_, b_ in zip((q, k, v), other[1:4])]
     masked += [jnp.where(late, 0.0, g), jnp.where(late, 0.0, beta)]
-    out, u = chunk_jit(*inputs)
-    m_out, m_u = chunk_jit(*masked)
+    out, u = chunk_jit(*inputs, impl=impl)
+    m_out, m_u = chunk_jit(*masked, impl=impl)
     final = fold_jit(state, k, u, g, jnp.asarray(n))
     m_final = fold_jit(state, masked[2], m_u, masked[4], jnp.asarray(n))
     want = loop_delta(*inputs)[1]
@@ -98,6 +99,19 @@ def test_masking_is_bit_exact(c):
         assert np.array_equal(m_final[row], final[row])
         before = np.asarray(state[row]) if n_row == 0 else want[row, n_row - 1]
         np.testing.assert_allclose(final[row], before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b,c,h,dk,dv", [(2, 16, 2, 8, 16), (1, 5, 3, 16, 8), (1, 33, 2, 8, 24), (1, 16, 1, 128, 128)],
+                         ids=["verify", "short-padded", "two-powers-padded", "9b-head"])
+def test_kernel_matches_the_reference(b, c, h, dk, dv):
+    """The Pallas block (interpreted) against the jnp form: padding of C, dk and dv, and a full-size head."""
+    inputs = delta_inputs(7, b, c, h, dk, dv)
+    out, u = chunk_jit(*inputs, impl="pallas")
+    want_out, want_u = chunk_jit(*inputs)
+    assert out.shape == want_out.shape and u.shape == want_u.shape
+    assert rel_err(out, np.asarray(want_out, np.float64)) < 1e-5
+    assert rel_err(u, np.asarray(want_u, np.float64)) < 1e-5
+    assert rel_err(out, loop_delta(*inputs)[0]) < 1e-5
 
 
 def test_delta_rule_matches_loop_and_chunk():
@@ -244,6 +258,16 @@ def test_delta_refuses_bad_inputs(changes, match):
     for fn, kwargs in ((delta_chunk, {}), (delta_rule, {})):
         with pytest.raises(ValueError, match=match):
             fn(**_bad_delta(**changes), **kwargs)
+
+
+def test_delta_chunk_refuses_a_bad_impl_and_state_at_bad_lengths():
+    with pytest.raises(ValueError, match=r"impl='triton' is not supported; choose one of \('xla', 'pallas'\)"):
+        delta_chunk(**_bad_delta(), impl="triton")
+    state, q, k, v, g, beta = delta_inputs(0, 2, 4, 2, 8, 8)
+    _, u = delta_chunk(state, q, k, v, g, beta)
+    for n in (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.float32)):
+        with pytest.raises(ValueError, match=r"state_at: expected .* integer n \[B\]"):
+            state_at(state, k, u, g, n)
 
 
 @pytest.mark.parametrize("chunk", [0, -3, 2.5, True])

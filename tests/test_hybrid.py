@@ -150,19 +150,19 @@ def test_prompts_longer_than_a_prefill_chunk_decode_as_the_uncached_forward(tmp_
     assert_long_prompts_decode_as_the_uncached_forward(target, tiny_drafter(target, 4, tap_ids=(0, 2)))
 
 
-@jax.jit
-def _round(target, state, block, start):
+@functools.partial(jax.jit, static_argnames="impl")
+def _round(target, state, block, start, impl="xla"):
     """A verify: greedy acceptance of `block[:, 1:]` against the target's argmax, and the state `commit` keeps."""
-    h, _, verified, pending = target.extend(state, block, start)
+    h, _, verified, pending = target.extend(state, block, start, impl=impl)
     choice = jnp.argmax(target.logits(h), axis=-1)
     kept = 1 + jnp.sum(jnp.cumprod((block[:, 1:] == choice[:, :-1]).astype(jnp.int32), axis=-1), axis=-1)
     return kept, choice, target.commit(verified, pending, kept)
 
 
-@jax.jit
-def _replay(target, state, block, start, kept):
+@functools.partial(jax.jit, static_argnames="impl")
+def _replay(target, state, block, start, kept, impl="xla"):
     """The oracle: from the pre-verify state, run the block again keeping only its first `kept` positions."""
-    _, _, state, pending = target.extend(state, block, start, valid=kept)
+    _, _, state, pending = target.extend(state, block, start, impl=impl, valid=kept)
     return target.commit(state, pending, kept)
 
 
@@ -179,9 +179,11 @@ def _assert_same_state(a, b):
             assert np.array_equal(np.asarray(x)[held], np.asarray(y)[held]), f"{name} of attention layer {i} differs"
 
 
-def test_replay_oracle_gives_bit_identical_states_after_every_round(pair, plain):
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_replay_oracle_gives_bit_identical_states_after_every_round(pair, plain, impl):
     """The original's CKPT_GATE as a test: a speculative run at batch 3 with ragged prompts and proposals copied
-    from the greedy continuation with a wrong token at a chosen slot (every acceptance length 0..nd occurs)."""
+    from the greedy continuation with a wrong token at a chosen slot (every acceptance length 0..nd occurs); with
+    the jnp forms and with the kernels (interpreted here; the delta rule's and attention's)."""
     _, target, _ = pair
     nd, rounds = ND, ROUNDS
     seqs = [p + t for p, t in zip(PROMPTS, plain)]
@@ -201,8 +203,8 @@ def test_replay_oracle_gives_bit_identical_states_after_every_round(pair, plain)
             if wrong <= nd:
                 block[i, wrong] = (block[i, wrong] + 1) % VOCAB
         start = jnp.asarray(pos, jnp.int32)
-        kept, _, committed = _round(target, state, jnp.asarray(block), start)
-        replayed = _replay(target, state, jnp.asarray(block), start, kept)
+        kept, _, committed = _round(target, state, jnp.asarray(block), start, impl)
+        replayed = _replay(target, state, jnp.asarray(block), start, kept, impl)
         _assert_same_state(committed, replayed)
         seen.update((np.asarray(kept) - 1).tolist())
         state, pos = committed, pos + np.asarray(kept)

@@ -56,14 +56,15 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
 
 
 def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
-                    valid: Optional[jax.Array] = None) -> tuple:
+                    valid: Optional[jax.Array] = None, impl: str = "xla") -> tuple:
     """The layer on normed `x [B, W, H]` after `conv_state [B, K-1, conv_dim]` and `ssm_state f32[B, nv, hk, hv]`.
 
     Returns `(out [B, W, H], conv, ssm)`. Without `valid`: `conv` is the window `[B, K-1+W, conv_dim]` holding
     the conv state after every position, and `ssm` the per-position updates `(k, u, g)` from which
     `gated_delta.state_at` folds the state after any prefix, so that any prefix can be kept. With `valid [B]`:
     positions from `valid[b]` on are padding (gates masked so they leave the state as it is) and `conv`, `ssm` are
-    the states after the first `valid[b]` positions.
+    the states after the first `valid[b]` positions. `impl` picks `delta_chunk`'s form for blocks narrower than
+    `GDN_CHUNK` ("xla" or the "pallas" kernel).
     """
     b, w, _ = x.shape
     nk, nv, hk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
@@ -83,7 +84,7 @@ def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Ar
     if valid is not None and w >= GDN_CHUNK:
         o, ssm = delta_rule(ssm_state, q, k, v, g, beta, chunk=GDN_CHUNK)
     else:
-        o, u = delta_chunk(ssm_state, q, k, v, g, beta)
+        o, u = delta_chunk(ssm_state, q, k, v, g, beta, impl=impl)
         # a narrow block folds its state from the same updates as a verify's commit: bit for bit
         ssm = (k, u, g) if valid is None else state_at(ssm_state, k, u, g, valid)
     conv = window if valid is None else conv_state_at(window, valid, kernel_size=cfg.linear_conv_kernel)

@@ -212,7 +212,8 @@ class HybridLM(dense.DenseLM):
                 n = len(convs)
 
                 def linear(lyr, h, n=n):
-                    o, conv, ssm = gdn.gated_delta_net(c, lyr.linear_params(), h, state.conv[n], state.ssm[n], valid)
+                    o, conv, ssm = gdn.gated_delta_net(c, lyr.linear_params(), h, state.conv[n], state.ssm[n], valid,
+                                                       impl)
                     return o, (conv, ssm)
 
                 x, (conv, ssm) = layer(x, linear)
