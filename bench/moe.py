@@ -1,22 +1,24 @@
 """Which routed-expert impl of the MoE block is faster on a GPU, and how fast does it read the experts? (bf16)
 
-    python bench/moe.py [--quick] [--iters N] [--inner N] [--out FILE]     # writes bench/results/moe.json
+    python bench/moe.py [--quick] [--sweep] [--geometry G] [--iters N] [--inner N] [--out FILE]   # moe.json
 
 Geometries: Qwen3.5-35B-A3B (E 256, H 2048, I 512, k 8, shared expert 512) and a sanity point with
 2048x1536 gate/up experts (Qwen3-30B-A3B: E 128, H 2048, I 768, k 8; given the same shared expert, since
-`moe_block` always has one). Tokens T = batch x verify width in (1x1, 3x1, 1x16, 3x16), random bf16
-weights and a random router.
-(1) Agreement: per geometry, `impl="ragged"` against `impl="gather"` at the largest T, max abs error over
+`moe_block` always has one); `--geometry` picks some. Tokens T = batch x verify width in (1x1, 3x1, 1x16,
+3x16, 4x16, 8x16), random bf16 weights and a random router.
+(0) `--sweep`: `expert_matmul` alone (pallas_kernels/expert_matmul.py), the gate/up and the down product of
+the first geometry, per tile setting, at 1 and 16 tokens: microseconds a call and the live experts' bytes
+over that time.
+(1) Agreement: per geometry, every impl against `impl="gather"` at the largest T, max abs error over
 the largest magnitude; above 2e-2 the run fails (exit status 1) after the report.
 (2) `cells`: per geometry and T, `<impl>_ms` is the device time of one `moe_block` call: the median over
 `--iters` samples of one jitted `fori_loop` that runs the block `--inner` times (each output, RMS
 normalised, the next input), divided by `--inner`. `bytes` is what a call must read at least: the
 distinct experts its tokens chose (`distinct_experts`, averaged over the gather loop's inputs; the
-ragged loop's differ by rounding) times one expert's bytes, plus the shared expert and the router.
+other loops' differ by rounding) times one expert's bytes, plus the shared expert and the router.
 `<impl>_TBps` is those bytes over the time, and `<impl>_over_read_bw` the same over the GEMV
 weight-streaming bandwidth measured in this run (`common.hbm_read_bandwidth`). `gate_up_dot_ms` times
-the first `ragged_dot` alone (the T*k sorted rows by `w_gate_up`), `--inner` calls back to back: at
-T 16 it has 128 rows, the sanity point (an earlier measurement of the same product: 0.27 ms).
+the first `ragged_dot` alone (the T*k sorted rows by `w_gate_up`), `--inner` calls back to back.
 `faster` names the faster impl per cell.
 `--quick` (alias `--tiny`) runs tiny shapes on the CPU: it tests the script, not the speed.
 """
@@ -48,7 +50,7 @@ QUICK = {"tiny": {"e": 8, "h": 64, "i": 32, "k": 2, "shared": 32}}
 TOKENS = ((1, 1), (3, 1), (1, 16), (3, 16), (4, 16), (8, 16))  # (batch, verify width)
 QUICK_TOKENS = ((1, 1), (3, 4))
 SWEEP = {"block_k": (128, 256), "block_n": (32, 64, 128), "num_warps": (4,), "num_stages": (3, 4)}
-QUICK_SWEEP = {"block_k": (16,), "block_n": (16, 32), "num_warps": (4,), "num_stages": (3,)}
+QUICK_SWEEP = {"block_k": (16,), "block_n": (16,), "num_warps": (4,), "num_stages": (3,)}
 
 
 def random_params(key, geo: dict) -> dict:

@@ -87,3 +87,32 @@ def test_dflash2_round_compares_both_families_over_one_target_losslessly(tmp_pat
     assert all(cell["no_recompile"] for cells in payload["cells"].values() for cell in cells)
     assert c["dflash2_over_dflash"]["draft"] > 0 and set(c["speedup_at_tau"]) == {"dflash", "dflash2"}
     assert payload["drafter_bytes_dflash2"] > payload["drafter_bytes_dflash"], "DFlash2 adds convolutions and codebooks"
+
+
+def test_hybrid_bench_measures_both_rollbacks_losslessly(tmp_path):
+    import hybrid
+
+    payload = hybrid.main(["--tiny", "--out", str(tmp_path), "--reps", "1", "--new", "16", "--calls", "2",
+                           "--phase-reps", "1"])
+    assert (tmp_path / "hybrid_tiny.json").exists()
+    (model,) = payload["models"].values()
+    assert model["round"]["real_drafter"]["lossless"] and all(c["lossless"] for c in model["round"]["fused"]), \
+        "speculative decoding of the hybrid must equal its plain decoding"
+    assert model["round"]["no_recompile"]
+    assert {"per_position_s", "keep_all_s", "replay_s"} <= set(model["rollback"])
+    assert model["plain"]["bytes"]["routed_experts_skipped"] > 0, "the roofline counts only the routed experts used"
+    assert 0 < model["headline"]["roofline_ratio"] and model["headline"]["round_over_plain_step"] > 0
+
+
+def test_moe_bench_checks_every_impl_against_the_gather_and_sweeps_the_kernel(tmp_path):
+    import moe as moe_bench
+    from dflash_jax.targets import moe
+
+    assert moe_bench.main(["--quick", "--sweep", "--out", str(tmp_path / "moe_quick.json")]) == 0
+    with open(tmp_path / "moe_quick.json") as f:
+        payload = json.load(f)
+    assert {c["impl"] for c in payload["checks"]} == set(moe.MOE_IMPLS) - {"gather"}
+    assert all(c["ok"] for c in payload["checks"])
+    assert all(cell[f"{impl}_ms"] > 0 for cell in payload["cells"] for impl in moe.MOE_IMPLS)
+    assert {(row["T"], row["product"]) for row in payload["sweep"]} == {(1, "gate_up"), (1, "down"), (16, "gate_up"),
+                                                                       (16, "down")}

@@ -24,9 +24,11 @@ from pallas_kernels.expert_matmul import expert_matmul
 
 MOE_IMPLS = ("grouped", "ragged", "gather")
 
-GROUPED_MAX_TOKENS = 64
-"""On a GPU, blocks of up to this many tokens take `"grouped"`, wider ones (prefill chunks) `ragged_dot`: on the
-H200 (bench/results/moe.json, Qwen3.5-35B-A3B experts, bf16) ..."""
+GROUPED_MAX_TOKENS = 16
+"""On a GPU, blocks of up to this many tokens take `"grouped"`, wider ones (prefill chunks) `ragged_dot`. On the H200
+(bench/results/moe_partial.json, Qwen3.5-35B-A3B experts, bf16, the whole block): grouped 0.069 / 0.130 / 0.282 ms
+at 1 / 3 / 16 tokens, against the gather's 0.127 / 0.251 / 1.068 and `ragged_dot`'s 0.446 / 0.478 / 0.603. Wider
+blocks were not measured before the device time ran out; they keep `ragged_dot`."""
 
 PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
 
