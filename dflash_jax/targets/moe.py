@@ -4,6 +4,7 @@ Semantics of transformers' `Qwen3NextSparseMoeBlock`: router logits `x @ router`
 softmax in float32, top-k, optionally renormalised to sum 1, weights cast to x's dtype. Each chosen
 expert e is a SwiGLU MLP (`w_gate_up[e] [H, 2I]`, `w_down[e] [I, H]`); the block output is
 `sum_k weight_k * expert_k(x) + sigmoid(x @ shared_gate) * shared_swiglu(x)`. Weights are `[in, out]`.
+Gemma-4 (`gemma4.py`) routes its own way around `route` and runs `experts` with a tanh-GELU gate.
 
 The routed experts have two implementations (`MOE_IMPLS`), both accumulating in float32:
 - `"ragged"`: the T*k (token, expert) rows sorted by expert and multiplied by `jax.lax.ragged_dot`
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 from dflash_jax.targets.layers import exact, matmul, swiglu
 
 MOE_IMPLS = ("ragged", "gather")
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+"""The gate activations of an expert's gated MLP: SwiGLU (Qwen) or GeGLU with tanh GELU (Gemma-4)."""
 
 GATHER_MAX_TOKENS = 3
 """On a GPU, blocks of up to this many tokens gather their experts. The H200 (bench/results/moe_partial.json,
@@ -53,25 +56,28 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -
 
 
 def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-            impl: str) -> jax.Array:
+            impl: str, activation: str = "silu") -> jax.Array:
     """`sum_k weights[t, k] * SwiGLU_{idx[t, k]}(x[t])` for tokens `x [T, H]`: `[T, H]` in x.dtype.
 
     weights `[T, k]`, idx int `[T, k]` in `[0, E)`, w_gate_up `[E, H, 2I]`, w_down `[E, I, H]`. The
-    products accumulate in float32 (full float32 for float32 inputs); the SwiGLU activation is cast to
-    x.dtype before the down projection, as transformers does."""
+    products accumulate in float32 (full float32 for float32 inputs); the gated activation is cast to
+    x.dtype before the down projection, as transformers does. `activation` (of `ACTIVATIONS`) is the gate's."""
     _check_experts(x, weights, idx, w_gate_up, w_down, impl)
-    y = _ragged(x, idx, w_gate_up, w_down) if impl == "ragged" else _gather(x, idx, w_gate_up, w_down)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe: activation={activation!r} is not supported; choose one of {tuple(ACTIVATIONS)}.")
+    act = ACTIVATIONS[activation]
+    y = _ragged(x, idx, w_gate_up, w_down, act) if impl == "ragged" else _gather(x, idx, w_gate_up, w_down, act)
     return jnp.sum(weights.astype(jnp.float32)[..., None] * y, axis=1).astype(x.dtype)
 
 
-def _ragged(x, idx, w_gate_up, w_down):
+def _ragged(x, idx, w_gate_up, w_down, act):
     """Per-(token, expert) outputs `[T, k, H]` float32 through one grouped matmul per projection."""
     t, k = idx.shape
     rows, sizes, order = _rows_by_expert(x, idx, w_gate_up.shape[0])
     h = jax.lax.ragged_dot(rows, w_gate_up, sizes, precision=exact(x, w_gate_up),
                            preferred_element_type=jnp.float32)
-    act = _swiglu_act(h, x.dtype)
-    y = jax.lax.ragged_dot(act, w_down, sizes, precision=exact(act, w_down), preferred_element_type=jnp.float32)
+    gated = _gated_act(h, x.dtype, act)
+    y = jax.lax.ragged_dot(gated, w_down, sizes, precision=exact(gated, w_down), preferred_element_type=jnp.float32)
     return jnp.take(y, jnp.argsort(order), axis=0).reshape(t, k, -1)
 
 
@@ -84,18 +90,18 @@ def _rows_by_expert(x, idx, num_experts):
     return jnp.take(x, order // idx.shape[1], axis=0), sizes, order
 
 
-def _gather(x, idx, w_gate_up, w_down):
+def _gather(x, idx, w_gate_up, w_down, act):
     """Per-(token, expert) outputs `[T, k, H]` float32 from each token's k gathered expert matrices."""
     up = jnp.take(w_gate_up, idx, axis=0)  # [T, k, H, 2I]
     h = jnp.einsum("th,tkhi->tki", x, up, precision=exact(x, up), preferred_element_type=jnp.float32)
-    act = _swiglu_act(h, x.dtype)
+    gated = _gated_act(h, x.dtype, act)
     down = jnp.take(w_down, idx, axis=0)  # [T, k, I, H]
-    return jnp.einsum("tki,tkih->tkh", act, down, precision=exact(act, down), preferred_element_type=jnp.float32)
+    return jnp.einsum("tki,tkih->tkh", gated, down, precision=exact(gated, down), preferred_element_type=jnp.float32)
 
 
-def _swiglu_act(h, dtype):
+def _gated_act(h, dtype, act):
     gate, up = jnp.split(h.astype(dtype), 2, axis=-1)
-    return jax.nn.silu(gate) * up
+    return act(gate) * up
 
 
 def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool, impl: str) -> jax.Array:
@@ -173,4 +179,5 @@ def _check_block(x, params, impl) -> None:
                          f"{params['shared_gate'].shape} do not fit H = {h}; expected [{h}, 2Is], [Is, {h}], [{h}, 1].")
 
 
-__all__ = ["GATHER_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block", "route"]
+__all__ = ["ACTIVATIONS", "GATHER_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block",
+           "route"]

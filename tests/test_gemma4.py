@@ -1,0 +1,280 @@
+"""Gemma-4 targets against transformers, their state across the sliding window, and lossless decoding over them.
+
+The oracle for logits is external: transformers builds a random model shaped like each published kind (E2B:
+per-layer embeddings and KV sharing; 31B: k = v and wide global heads on full layers; 26B-A4B: experts beside
+the MLP), saves it, and we load that folder with `load_target`. Prompts are longer than the sliding window.
+"""
+import functools
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+import dflash_jax
+from dflash_jax import cli
+from dflash_jax.config import CheckpointError, target_config_from_hf
+from dflash_jax.io.checkpoints import write_target
+
+VOCAB = 97
+WINDOW = 6
+S, F = "sliding_attention", "full_attention"
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, global_head_dim=16, sliding_window=WINDOW, max_position_embeddings=1024)
+CONFIGS = {
+    "e2b": dict(num_hidden_layers=5, layer_types=[S, F, S, S, F], num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=True, final_logit_softcapping=30.0),
+    "31b": dict(num_hidden_layers=4, layer_types=[S, S, F, F], num_global_key_value_heads=1, attention_k_eq_v=True,
+                hidden_size_per_layer_input=0, tie_word_embeddings=False, final_logit_softcapping=3.0),
+    "26b_a4b": dict(num_hidden_layers=3, layer_types=[S, S, F], num_global_key_value_heads=1, attention_k_eq_v=True,
+                    hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                    moe_intermediate_size=16),
+}
+
+
+def _perturb(model):
+    """Norms, router scales and layer scalars (a saved buffer) away from their initial ones, so that a missing one
+    would show."""
+    with torch.no_grad():
+        for name, x in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale", "layer_scalar")):
+                x.add_(0.1 * torch.randn_like(x))
+
+
+@functools.cache
+def _saved(name: str, tmp_root: str):
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**COMMON, **CONFIGS[name])).float().eval()
+    _perturb(model)
+    path = f"{tmp_root}/{name}"
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(transformers model, our Target, folder) for one config, with the same random weights."""
+    model, path = _saved(request.param, str(tmp_path_factory.getbasetemp()))
+    return model, dflash_jax.load_target(path, dtype="float32"), path
+
+
+def _tokens(b, t, seed=0):
+    return np.random.RandomState(seed).randint(0, VOCAB, (b, t))
+
+
+def _max_rel_err(ours, ref):
+    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
+
+
+def test_logits_and_taps_match_transformers_past_the_sliding_window(pair):
+    model, target, _ = pair
+    tokens = _tokens(2, 4 * WINDOW)
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), output_hidden_states=True)
+    err = _max_rel_err(target.full_logits(tokens), out.logits.numpy())
+    print(f"max relative logit error {err:.2e}")
+    assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
+    tap_ids = (0, target.config.num_layers - 2)  # transformers' hidden_states[-1] is the final-normed output
+    _, taps = jax.jit(target.forward, static_argnums=1)(jnp.asarray(tokens, jnp.int32), tap_ids)
+    h = target.config.hidden_size
+    for j, i in enumerate(tap_ids):
+        np.testing.assert_allclose(np.asarray(taps[..., j * h:(j + 1) * h]), out.hidden_states[i + 1].numpy(),
+                                   atol=2e-5, rtol=1e-4, err_msg=f"tap of layer {i} must be hidden_states[{i + 1}]")
+
+
+def test_the_parity_configs_take_every_path():
+    """The window is shorter than the prompts, layers share K/V, experts are routed apart: parity covers them."""
+    e2b = target_config_from_hf(transformers.Gemma4TextConfig(**COMMON, **CONFIGS["e2b"]).to_dict())
+    assert e2b.kv_sources == (0, 1, 2, 2, 1) and e2b.mlp_width(3) == 2 * e2b.mlp_width(2)
+    big = target_config_from_hf(transformers.Gemma4TextConfig(**COMMON, **CONFIGS["31b"]).to_dict())
+    assert (big.global_head_dim, big.num_global_kv_heads, big.head_dim, big.num_kv_heads) == (16, 1, 8, 2)
+    assert big.full_rope.rope_type == "proportional" and big.attention_k_eq_v
+
+
+def test_moe_routing_is_not_trivial(tmp_path_factory):
+    model, _ = _saved("26b_a4b", str(tmp_path_factory.getbasetemp()))
+    with torch.no_grad():
+        out = model(torch.tensor(_tokens(1, 40)), output_router_logits=True)
+    chosen = {tuple(sorted(r)) for r in torch.topk(out.router_logits[0], 2).indices.tolist()}
+    assert len(chosen) > 5, f"tokens should pick different experts; picked {chosen}"
+
+
+def test_greedy_generate_equals_transformers_generate(pair):
+    model, target, _ = pair
+    prompt = _tokens(1, 2 * WINDOW, seed=4)[0].tolist()
+    ours = dflash_jax.generate(target, None, [prompt], max_new_tokens=10).tokens[0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == ref
+
+
+def test_written_target_reads_back_identically(pair, tmp_path):
+    _, target, _ = pair
+    write_target(tmp_path / "out", target, dtype="float32")
+    again = dflash_jax.load_target(tmp_path / "out")
+    assert again.config == target.config
+    for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    reread = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = _tokens(1, 3 * WINDOW, seed=6)
+    with torch.no_grad():
+        ref = reread(torch.tensor(tokens)).logits.numpy()
+    assert _max_rel_err(target.full_logits(tokens), ref) <= 1e-4, "transformers must read what we write"
+
+
+def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_towers(tmp_path, capsys):
+    text = dict(COMMON, **CONFIGS["e2b"])
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=16, pooling_kernel_size=1)
+    torch.manual_seed(1)
+    model = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)).float().eval()
+    _perturb(model)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Gemma4ForConditionalGeneration"]
+    with pytest.warns(UserWarning, match=r"skipping the vision and audio towers \(\d+ tensors"):
+        target = dflash_jax.load_target(tmp_path)
+    assert target.config.text_prefix == "model.language_model."
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "layer types: 3 sliding (window 6), 2 full" in printed
+    assert re.search(r"text model under: model\.language_model\. \(vision and audio towers skipped: \d+ tensors\)",
+                     printed)
+    tokens = _tokens(2, 3 * WINDOW, seed=5)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+    err = _max_rel_err(target.full_logits(tokens), ref)
+    assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
+
+
+def test_inspect_describes_every_feature(tmp_path_factory, capsys):
+    for name, lines in {
+        "e2b": ["layer types: 3 sliding (window 6), 2 full; the last 2 share K/V of layers [2, 1]",
+                "heads: 4 query; sliding 2 kv x 8, full 2 kv x 16",
+                "rope: sliding default (theta 10000), full proportional (theta 1e+06, partial_rotary_factor=0.25)",
+                "per-layer embeddings: 8 wide, 97 rows", "mlp: 48 wide (96 on KV-shared layers), gelu_pytorch_tanh",
+                "experts: none", "final logit softcap: 30"],
+        "31b": ["heads: 4 query; sliding 2 kv x 8, full 1 kv x 16 (keys are values)", "per-layer embeddings: none"],
+        "26b_a4b": ["experts: 8 beside the MLP (top 2, 16 wide)", "final logit softcap: none"],
+    }.items():
+        _, path = _saved(name, str(tmp_path_factory.getbasetemp()))
+        assert cli.main(["inspect", path]) == 0
+        printed = capsys.readouterr().out
+        for line in lines:
+            assert line in printed, f"{name}: {line!r} not in\n{printed}"
+
+
+def _hf(**changes):
+    d = transformers.Gemma4TextConfig(**COMMON, **CONFIGS["e2b"]).to_dict()
+    d["architectures"] = ["Gemma4ForCausalLM"]
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(use_bidirectional_attention="all"), r"use_bidirectional_attention 'all'; only causal attention \(null\)"),
+    (dict(hidden_activation="silu"), "hidden_activation 'silu': supported: gelu_pytorch_tanh"),
+    (dict(attention_bias=True), "attention_bias: true; only bias-free attention"),
+    (dict(layer_types=[S, "chunked_attention", S, S, F]),
+     r"layer_types has \['chunked_attention'\]; supported layer types: sliding_attention, full_attention"),
+    (dict(layer_types=[S, F]), "layer_types has 2 entries but num_hidden_layers is 5"),
+    (dict(num_kv_shared_layers=5), r"num_kv_shared_layers 5: expected an integer in 0..4"),
+    (dict(layer_types=[F, F, F, S, F]), r"shared \['sliding_attention'\] layers have no earlier layer of their type"),
+    (dict(per_layer_config={"1": {"sliding_window": 3}}),
+     r"per_layer_config\['1'\] .*supported per-layer overrides: head_dim, num_key_value_heads"),
+    (dict(per_layer_config={"1": {"head_dim": 16}, "4": {"head_dim": 32}}),
+     r"gives full_attention layers different head_dim / num_key_value_heads \[\(16, 2\), \(32, 2\)\]"),
+    (dict(per_layer_config={"7": {"head_dim": 16}}), r"per_layer_config key '7': expected a layer index in 0..4"),
+    (dict(per_layer_config={"1": {"num_key_value_heads": 3}, "4": {"num_key_value_heads": 3}}),
+     r"num_attention_heads 4 is not a multiple of the full_attention layers' num_key_value_heads 3"),
+    (dict(per_layer_config={"1": {"head_dim": 15}, "4": {"head_dim": 15}}), "full_attention head_dim 15: rope needs"),
+    (dict(enable_moe_block=True, num_experts=4), "enable_moe_block: true config.json has no 'top_k_experts'"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=8),
+     "top_k_experts 5 exceeds num_experts 4"),
+    (dict(vocab_size_per_layer_input=50), "vocab_size_per_layer_input 50 is below vocab_size 97"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+     "expected one object per layer type, with an entry for 'sliding_attention'"),
+    (dict(rope_parameters={S: {"rope_type": "dynamic", "rope_theta": 1e4}, F: {"rope_type": "default"}}),
+     "rope type 'dynamic' of sliding_attention layers is not supported; supported rope types: default, llama3, yarn, "
+     "proportional"),
+    (dict(rope_parameters={S: {"rope_type": "default", "rope_theta": 1e4},
+                           F: {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 1.5}}),
+     r"partial_rotary_factor 1.5: expected a fraction in \(0, 1\]"),
+    (dict(rope_parameters={S: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                           F: {"rope_type": "proportional", "rope_theta": 1e6}}),
+     r"partial_rotary_factor 0.5: only full rotary \(1.0\) is supported"),
+    (dict(rope_parameters={S: {"rope_type": "default", "rope_theta": 1e4},
+                           F: {"rope_type": "proportional", "rope_theta": 1e6, "beta_fast": 2}}),
+     r"proportional rope of full_attention layers has \['beta_fast'\]; supported: rope_type, rope_theta"),
+    (dict(final_logit_softcapping=-1.0), r"final_logit_softcapping -1.0: expected a finite number > 0"),
+    (dict(model_type="gemma4"), "contradictory target config"),
+])
+def test_unsupported_gemma4_configs_are_refused_by_name(changes, match):
+    with pytest.raises(CheckpointError, match=match):
+        target_config_from_hf(_hf(**changes))
+
+
+def test_gemma4_census_reads_transformers_defaults():
+    """No layer types: five sliding layers to one full; no heads per layer: `global_head_dim` 512 on full layers;
+    no rope: theta 1e4 on sliding layers, proportional rope (a quarter, theta 1e6) on full ones. A published
+    config's `global_head_dim` and `num_global_key_value_heads` (with k = v) read as transformers reads them."""
+    cfg = target_config_from_hf({"architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 12, "hidden_size": 64})
+    assert cfg.layer_types == ((S,) * 5 + (F,)) * 2 and cfg.global_head_dim == 512 and cfg.head_dim == 256
+    assert cfg.hidden_size_per_layer_input == 256 and cfg.tie_word_embeddings and cfg.eos_token_ids == (1,)
+    assert cfg.rope.theta == 1e4 and cfg.full_rope.params == (("partial_rotary_factor", 0.25),)
+    published = dict(COMMON, architectures=["Gemma4ForCausalLM"], num_hidden_layers=3, layer_types=[S, S, F],
+                     attention_k_eq_v=True, global_head_dim=32, num_global_key_value_heads=1)
+    cfg = target_config_from_hf(published)
+    assert (cfg.global_head_dim, cfg.num_global_kv_heads) == (32, 1)
+    hf = transformers.Gemma4TextConfig(**{k: v for k, v in published.items() if k != "architectures"})
+    assert (hf.per_layer_config[2].head_dim, hf.per_layer_config[2].num_key_value_heads) == (32, 1)
+    cfg = target_config_from_hf(dict(published, attention_k_eq_v=False))
+    assert cfg.num_global_kv_heads == 2, "num_global_key_value_heads applies only with attention_k_eq_v"
+
+
+def test_a_last_sliding_layer_runs_full_attention_as_in_transformers():
+    with pytest.warns(UserWarning, match="the last layer runs full attention"):
+        cfg = target_config_from_hf(_hf(layer_types=[S, F, S, S, S], num_kv_shared_layers=0))
+    assert cfg.layer_types[-1] == F
+
+
+def test_hostile_tensors_are_refused_by_name(tmp_path_factory):
+    _, path = _saved("26b_a4b", str(tmp_path_factory.getbasetemp()))
+    tensors = load_file(f"{path}/model.safetensors")
+    config = open(f"{path}/config.json").read()
+    cases = {
+        "missing": ({k: v for k, v in tensors.items() if k != "model.layers.1.router.per_expert_scale"},
+                    r"missing tensor\(s\): model\.layers\.1\.router\.per_expert_scale \(expected \[8\]\)"),
+        "wide_global": (tensors | {"model.layers.2.self_attn.k_proj.weight": np.zeros((32, 32), np.float32)},
+                        r"model\.layers\.2\.self_attn\.k_proj\.weight has shape \[32, 32\], expected \[16, 32\]"),
+        "v_on_k_eq_v": (tensors | {"model.layers.2.self_attn.v_proj.weight": np.zeros((16, 32), np.float32)},
+                        r"unexpected tensor\(s\) \['model\.layers\.2\.self_attn\.v_proj\.weight'\]"),
+        "nan": (tensors | {"model.layers.0.layer_scalar": np.array([np.nan], np.float32)},
+                r"model\.layers\.0\.layer_scalar.*(NaN|non-finite)"),
+    }
+    for name, (kept, match) in cases.items():
+        out = tmp_path_factory.mktemp(name)
+        save_file(kept, str(out / "model.safetensors"))
+        (out / "config.json").write_text(config)
+        with pytest.raises(CheckpointError, match=match):
+            dflash_jax.load_target(out)
+
+
+def test_kv_shared_layers_own_kv_tensors_are_skipped_as_transformers_skips_them(tmp_path_factory):
+    """A checkpoint that still stores K/V projections for its KV-shared layers loads to the same target."""
+    _, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
+    tensors = load_file(f"{path}/model.safetensors")
+    extra = {f"model.layers.{i}.self_attn.{n}": np.ones(s, np.float32) for i in (3, 4)
+             for n, s in (("k_proj.weight", (16, 32)), ("v_proj.weight", (16, 32)), ("k_norm.weight", (8,)))}
+    out = tmp_path_factory.mktemp("shared_kv")
+    save_file(tensors | extra, str(out / "model.safetensors"))
+    (out / "config.json").write_text(open(f"{path}/config.json").read())
+    tokens = _tokens(1, 12)
+    np.testing.assert_array_equal(np.asarray(dflash_jax.load_target(out).full_logits(tokens)),
+                                  np.asarray(dflash_jax.load_target(path).full_logits(tokens)))
