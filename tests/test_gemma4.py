@@ -20,6 +20,7 @@ import dflash_jax
 from dflash_jax import cli
 from dflash_jax.config import CheckpointError, target_config_from_hf
 from dflash_jax.io.checkpoints import write_target
+from conftest import assert_long_prompts_decode_as_the_uncached_forward, tiny_drafter
 
 VOCAB = 97
 WINDOW = 6
@@ -71,16 +72,22 @@ def _max_rel_err(ours, ref):
     return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _logits_and_taps(target, tokens, tap_ids):
+    h, taps = target.forward(tokens, tap_ids)
+    return target.logits(h), taps
+
+
 def test_logits_and_taps_match_transformers_past_the_sliding_window(pair):
     model, target, _ = pair
     tokens = _tokens(2, 4 * WINDOW)
     with torch.no_grad():
         out = model(torch.tensor(tokens), output_hidden_states=True)
-    err = _max_rel_err(target.full_logits(tokens), out.logits.numpy())
+    tap_ids = (0, target.config.num_layers - 2)  # transformers' hidden_states[-1] is the final-normed output
+    logits, taps = _logits_and_taps(target, jnp.asarray(tokens, jnp.int32), tap_ids)
+    err = _max_rel_err(logits, out.logits.numpy())
     print(f"max relative logit error {err:.2e}")
     assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
-    tap_ids = (0, target.config.num_layers - 2)  # transformers' hidden_states[-1] is the final-normed output
-    _, taps = jax.jit(target.forward, static_argnums=1)(jnp.asarray(tokens, jnp.int32), tap_ids)
     h = target.config.hidden_size
     for j, i in enumerate(tap_ids):
         np.testing.assert_allclose(np.asarray(taps[..., j * h:(j + 1) * h]), out.hidden_states[i + 1].numpy(),
@@ -104,8 +111,10 @@ def test_moe_routing_is_not_trivial(tmp_path_factory):
     assert len(chosen) > 5, f"tokens should pick different experts; picked {chosen}"
 
 
-def test_greedy_generate_equals_transformers_generate(pair):
-    model, target, _ = pair
+def test_greedy_generate_equals_transformers_generate(tmp_path_factory):
+    """Plain decoding (a cached prefill, then one-token extends past the window) against transformers' own."""
+    model, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
+    target = dflash_jax.load_target(path, dtype="float32")
     prompt = _tokens(1, 2 * WINDOW, seed=4)[0].tolist()
     ours = dflash_jax.generate(target, None, [prompt], max_new_tokens=10).tokens[0]
     with torch.no_grad():
@@ -122,7 +131,7 @@ def test_written_target_reads_back_identically(pair, tmp_path):
     for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(again.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     reread = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "out").eval()
-    tokens = _tokens(1, 3 * WINDOW, seed=6)
+    tokens = _tokens(2, 4 * WINDOW, seed=6)
     with torch.no_grad():
         ref = reread(torch.tensor(tokens)).logits.numpy()
     assert _max_rel_err(target.full_logits(tokens), ref) <= 1e-4, "transformers must read what we write"
@@ -278,3 +287,58 @@ def test_kv_shared_layers_own_kv_tensors_are_skipped_as_transformers_skips_them(
     tokens = _tokens(1, 12)
     np.testing.assert_array_equal(np.asarray(dflash_jax.load_target(out).full_logits(tokens)),
                                   np.asarray(dflash_jax.load_target(path).full_logits(tokens)))
+
+
+@jax.jit
+def _extend_commit(target, state, block, start, kept):
+    h, _, state, pending = target.extend(state, block, start)
+    return target.logits(h), target.commit(state, pending, kept)
+
+
+@jax.jit
+def _prefill(target, state, block, kept):
+    h, _, state, pending = target.extend(state, block, jnp.zeros_like(kept), valid=kept)
+    return target.logits(h), target.commit(state, pending, kept)
+
+
+def test_prefill_then_partly_kept_blocks_equal_the_uncached_forward(pair):
+    """A ragged prefill (one row past the window, one inside it), then verify blocks of which only a prefix is
+    kept (the rest rolled back by `commit`), the short row running past its window: every kept position's logits
+    equal the uncached forward's."""
+    _, target, _ = pair
+    tokens = _tokens(2, 40, seed=2)
+    full = np.asarray(target.full_logits(tokens))
+    tol = 1e-4 * np.abs(full).max()
+    lengths = np.array([3 * WINDOW + 1, WINDOW - 2])
+    state = target.init_state(2, 64)
+    logits, state = _prefill(target, state, jnp.asarray(tokens[:, :24], jnp.int32), jnp.asarray(lengths, jnp.int32))
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
+    pos, width = lengths.copy(), 3
+    for kept in ([0, 3], [1, 0], [3, 2], [2, 3], [0, 1], [1, 3]):
+        block = np.stack([tokens[i, p:p + width] for i, p in enumerate(pos)])
+        logits, state = _extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
+                                       jnp.asarray(kept, jnp.int32))
+        for i, p in enumerate(pos):
+            np.testing.assert_allclose(np.asarray(logits[i]), full[i, p:p + width], atol=tol, rtol=0,
+                                       err_msg=f"row {i} at {p}")
+        pos += kept
+        np.testing.assert_array_equal(np.asarray(state.seq_len), pos)
+    assert pos[1] > 2 * WINDOW, "the short row must run past its window during the verifies"
+
+
+def test_kv_shared_layers_keep_no_cache_and_full_layers_their_wide_heads(pair):
+    _, target, _ = pair
+    c = target.config
+    state = target.init_state(2, 40)
+    assert len(state.k) == len(state.v) == c.first_shared_layer
+    for i, (k, v) in enumerate(zip(state.k, state.v)):
+        assert k.shape == v.shape == (2, 40, c.layer_kv_heads(i), c.layer_head_dim(i))
+    assert len({id(x) for x in jax.tree.leaves(state)}) == len(jax.tree.leaves(state)), "distinct buffers"
+
+
+def test_prompts_longer_than_a_prefill_chunk_decode_as_the_uncached_forward(tmp_path_factory):
+    """Two 512-token prefill chunks, each far past the window (`conftest`'s check of long ragged prompts)."""
+    _, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
+    target = dflash_jax.load_target(path, dtype="float32")
+    assert_long_prompts_decode_as_the_uncached_forward(target, tiny_drafter(target, 4, tap_ids=(0, 2)))
