@@ -4,6 +4,7 @@ The oracle for logits is external: transformers builds a random model shaped lik
 per-layer embeddings and KV sharing; 31B: k = v and wide global heads on full layers; 26B-A4B: experts beside
 the MLP), saves it, and we load that folder with `load_target`. Prompts are longer than the sliding window.
 """
+import dataclasses
 import functools
 import json
 import re
@@ -19,8 +20,10 @@ from safetensors.numpy import load_file, save_file
 import dflash_jax
 from dflash_jax import cli
 from dflash_jax.config import CheckpointError, target_config_from_hf
-from dflash_jax.io.checkpoints import write_target
-from conftest import assert_long_prompts_decode_as_the_uncached_forward, tiny_drafter
+from dflash_jax.config import check_fits_target
+from dflash_jax.io.checkpoints import make_drafter, write_drafter, write_target
+from dflash_jax.train import init_drafter
+from conftest import assert_long_prompts_decode_as_the_uncached_forward, inject_reference, tiny_drafter
 
 VOCAB = 97
 WINDOW = 6
@@ -109,18 +112,6 @@ def test_moe_routing_is_not_trivial(tmp_path_factory):
         out = model(torch.tensor(_tokens(1, 40)), output_router_logits=True)
     chosen = {tuple(sorted(r)) for r in torch.topk(out.router_logits[0], 2).indices.tolist()}
     assert len(chosen) > 5, f"tokens should pick different experts; picked {chosen}"
-
-
-def test_greedy_generate_equals_transformers_generate(tmp_path_factory):
-    """Plain decoding (a cached prefill, then one-token extends past the window) against transformers' own."""
-    model, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
-    target = dflash_jax.load_target(path, dtype="float32")
-    prompt = _tokens(1, 2 * WINDOW, seed=4)[0].tolist()
-    ours = dflash_jax.generate(target, None, [prompt], max_new_tokens=10).tokens[0]
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(prompt):].tolist()
-    assert ours == ref
 
 
 def test_written_target_reads_back_identically(pair, tmp_path):
@@ -342,3 +333,57 @@ def test_prompts_longer_than_a_prefill_chunk_decode_as_the_uncached_forward(tmp_
     _, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
     target = dflash_jax.load_target(path, dtype="float32")
     assert_long_prompts_decode_as_the_uncached_forward(target, tiny_drafter(target, 4, tap_ids=(0, 2)))
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(12, 40))]  # ragged, two of them longer than the window
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def e2b(tmp_path_factory):
+    """(transformers model, our Target, a random z-lab DFlash drafter written and read back, plain greedy tokens of
+    PROMPTS): the E2B-like target, whose state has sliding, full and KV-shared layers."""
+    model, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
+    target = dflash_jax.load_target(path, dtype="float32")
+    cfg, params = init_drafter(target.config, num_layers=2, block_size=8, mask_token_id=VOCAB - 1,
+                               target_layer_ids=(0, 3), seed=3)
+    folder = tmp_path_factory.mktemp("drafter")
+    write_drafter(folder / "d", make_drafter(cfg, params), dtype="float32")
+    drafter = dflash_jax.load_drafter(folder / "d", target)
+    return model, target, drafter, dflash_jax.generate(target, None, PROMPTS, max_new_tokens=MAX_NEW).tokens
+
+
+def test_greedy_generate_equals_transformers_generate(e2b):
+    """Plain decoding (a cached prefill, then one-token extends past the window) against transformers' own."""
+    model, _, _, plain = e2b
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    assert plain[2] == ref
+
+
+def test_a_zlab_dflash_drafter_fits_gemma4_and_is_refused_on_another_width(e2b, tmp_path):
+    """`init_drafter` sizes a drafter from the Gemma-4 config (its hidden size, sliding heads and rope); the census
+    refuses one trained for another hidden size, naming both."""
+    _, target, drafter, _ = e2b
+    c = drafter.config
+    assert (c.hidden_size, c.num_heads, c.head_dim, c.vocab_size) == (32, 4, 8, VOCAB)
+    assert c.target_layer_ids == (0, 3) and check_fits_target(c, target.config) == ()
+    with pytest.raises(CheckpointError, match="drafter hidden_size 32 != target hidden_size 64"):
+        check_fits_target(c, dataclasses.replace(target.config, hidden_size=64))
+
+
+def test_greedy_speculative_equals_plain_at_batch_one_and_three(e2b):
+    """The random z-lab drafter (accepts almost nothing) at batch 3 with ragged prompts, and injected proposals
+    (every acceptance length 0..nd) at batch 1 and 3: verifies cross the window and are rolled back by `commit`."""
+    _, target, drafter, plain = e2b
+    nd = drafter.config.n_drafts
+    assert dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens == plain
+    hist = np.zeros(nd + 1, int)
+    for prompts, ref in ((PROMPTS[2:], plain[2:]), (PROMPTS, plain)):
+        out = dflash_jax.Session(target, drafter, prompts, max_new_tokens=MAX_NEW,
+                                 inject=inject_reference(ref, MAX_NEW, nd, [1] * (nd + 1))).run()
+        assert out.tokens == ref, "output must not depend on what was proposed"
+        hist += np.asarray(out.stats.accept_hist)
+    assert all(hist > 0), f"every length 0..{nd}: {hist}"
