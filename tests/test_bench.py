@@ -87,3 +87,17 @@ def test_dflash2_round_compares_both_families_over_one_target_losslessly(tmp_pat
     assert all(cell["no_recompile"] for cells in payload["cells"].values() for cell in cells)
     assert c["dflash2_over_dflash"]["draft"] > 0 and set(c["speedup_at_tau"]) == {"dflash", "dflash2"}
     assert payload["drafter_bytes_dflash2"] > payload["drafter_bytes_dflash"], "DFlash2 adds convolutions and codebooks"
+
+
+def test_gemma4_tiny_measures_plain_and_round_phases_losslessly(tmp_path):
+    import gemma4
+
+    payload = gemma4.main(["--tiny", "--out", str(tmp_path), "--reps", "1", "--new", "16", "--calls", "2",
+                           "--phase-reps", "1"])
+    assert (tmp_path / "gemma4_tiny.json").exists()
+    (cell,) = payload["prompts"].values()
+    assert cell["headline"]["lossless"] and cell["headline"]["no_recompile"]
+    assert cell["plain"]["bytes"]["kv"] > 0 and cell["plain"]["roofline_ratio"] > 0
+    phases = cell["round"]["phases"]
+    assert all(phases[f"{k}_s"] > 0 for k in ("draft", "verify", "commit_ingest"))
+    assert payload["config"]["sliding_window"] < next(iter(payload["prompts"])), "the prompt must outgrow the window"
