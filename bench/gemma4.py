@@ -6,7 +6,8 @@ The shape is the published google/gemma-4-31B text model's (`GEMMA4_31B`, writte
 keys are values, proportional rope on a quarter of each head), hidden 5376, MLP 21504, vocabulary 262144 with
 a tied head soft-capped at 30.
 
-Per prompt:
+Per prompt and per kind of sliding-layer cache (`--sliding-caches`: `config.policy.sliding_cache`'s 'full', a
+windowed mask over the whole capacity, and 'ring', window + RING_SLACK slots gathered into order):
   plain       tokens/s of the plain loop, and `roofline_ratio`: the bytes a step must move over the measured
               HBM read bandwidth, divided by the measured step. Bytes: every weight (of the embedding table only
               the row gathered: `common.target_step_bytes`), and the K/V a step reads: the last
@@ -24,6 +25,7 @@ margin. Speed does not depend on the values.
 
     python bench/gemma4.py                 # H200: writes bench/results/gemma4.json and gemma4.png
     python bench/gemma4.py --tiny          # CPU smoke test
+    python bench/gemma4.py --sliding-caches ring --prompts 8192
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import acceptance as acc
 import common
 import spec_round
-from dflash_jax.config import Gemma4Config, RopeConfig
+from dflash_jax.config import Gemma4Config, RopeConfig, policy
 from dflash_jax.io.checkpoints import make_target
 
 _S, _F = "sliding_attention", "full_attention"
@@ -52,7 +54,7 @@ TINY = Gemma4Config(
     head_dim=16, rms_norm_eps=1e-6, rope=RopeConfig(10_000.0), tie_word_embeddings=True, max_position_embeddings=4096,
     dtype="float32", layer_types=(_S, _S, _F) * 2, sliding_window=16, global_head_dim=32, num_global_kv_heads=1,
     full_rope=_PROPORTIONAL, attention_k_eq_v=True, final_logit_softcapping=30.0)
-PROMPTS, TINY_PROMPTS = (512, 8192), (32,)
+PROMPTS, TINY_PROMPTS = (512, 8192), (64,)
 TARGETS = {"roofline_ratio": 0.80, "round_over_plain_step": 1.3}
 SELF_LOGIT = 30.0
 POST_NORM = 1 / 256
@@ -85,7 +87,7 @@ def step_bytes(target, live_tokens: float, batch: int = 1) -> dict:
 
 
 def plot(payload: dict, path: str) -> None:
-    """Round phases against the plain step, per prompt."""
+    """Round phases against the plain step, per prompt and sliding cache."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -93,15 +95,15 @@ def plot(payload: dict, path: str) -> None:
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    cells = payload["prompts"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (prompt, m) in enumerate(cells.items()):
+    cells = payload["cells"]
+    fig, ax = plt.subplots(figsize=(3 + 1.5 * len(cells), 4))
+    for i, m in enumerate(cells):
         ph, bottom = m["round"]["phases"], 0.0
         for key, color in (("draft_s", "tab:blue"), ("verify_s", "tab:orange"), ("commit_ingest_s", "tab:green")):
             ax.bar(i - 0.2, ph[key] * 1e3, 0.4, bottom=bottom, color=color, label=key[:-2] if i == 0 else None)
             bottom += ph[key] * 1e3
         ax.bar(i + 0.2, m["plain"]["step_s"] * 1e3, 0.4, color="gray", label="plain step" if i == 0 else None)
-    ax.set_xticks(range(len(cells)), [f"prompt {p}" for p in cells])
+    ax.set_xticks(range(len(cells)), [f"prompt {m['prompt']}\n{m['sliding_cache']}" for m in cells])
     ax.set_title(f"{payload['model']}: round phases vs plain step (ms)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -112,6 +114,8 @@ def plot(payload: dict, path: str) -> None:
 def main(argv=None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--prompts", type=int, nargs="+", default=None, help=f"prompt lengths (default {PROMPTS})")
+    pre.add_argument("--sliding-caches", nargs="+", default=list(policy.SLIDING_CACHES),
+                     choices=policy.SLIDING_CACHES, help="kinds of sliding-layer cache to measure (default both)")
     ours, rest = pre.parse_known_args(argv)
     args = spec_round.parse_args(rest, __doc__, 6.5)
     args.prompts = ours.prompts or (TINY_PROMPTS if args.tiny else PROMPTS)
@@ -125,21 +129,21 @@ def main(argv=None):
     payload = common.environment(**vars(args)) | {
         "model": name, "hbm_read_bytes_per_s": bandwidth, "targets": TARGETS,
         "config": {k: v for k, v in vars(cfg).items() if k not in ("rope", "full_rope", "layer_types")},
-        "weight_bytes": common.nbytes(target.params), "prompts": {}}
-    for prompt in args.prompts:
-        rec = spec_round.measure_cell(target, drafter, 1, prompt, args, counter)
+        "ring_slack": policy.RING_SLACK, "weight_bytes": common.nbytes(target.params), "cells": []}
+    for kind, prompt in ((kind, prompt) for kind in ours.sliding_caches for prompt in args.prompts):
+        rec = spec_round.measure_cell(target.replace(sliding_cache=kind), drafter, 1, prompt, args, counter)
         moved = step_bytes(target, prompt + args.new / 2)
         plain = rec["plain"] | {"bytes": moved, "roofline_s": moved["total"] / bandwidth}
         plain["roofline_ratio"] = plain["roofline_s"] / plain["step_s"]
         at_tau = rec["fused"][0]
-        payload["prompts"][prompt] = {
-            "plain": plain, "round": rec,
+        payload["cells"].append({
+            "prompt": prompt, "sliding_cache": kind, "plain": plain, "round": rec,
             "headline": {"plain_tokens_per_s": plain["tokens_per_s"], "roofline_ratio": plain["roofline_ratio"],
                          "round_over_plain_step": rec["round_over_plain_step"],
                          "spec_tokens_per_s_at_tau": at_tau.get("tokens_per_s"), "tau": at_tau.get("tau_measured"),
                          "speedup_at_tau": at_tau.get("speedup"), "lossless": at_tau.get("lossless"),
-                         "no_recompile": rec["no_recompile"]}}
-        print(f"{name} prompt {prompt}: {payload['prompts'][prompt]['headline']}")
+                         "no_recompile": rec["no_recompile"]}})
+        print(f"{name} prompt {prompt}, {kind} sliding cache: {payload['cells'][-1]['headline']}")
         del rec
         gc.collect()
     path = common.write_json(f"gemma4{'_tiny' if args.tiny else ''}.json", payload, args.out)

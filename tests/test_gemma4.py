@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 import dflash_jax
 from dflash_jax import cli
 from dflash_jax.config import CheckpointError, target_config_from_hf
-from dflash_jax.config import check_fits_target
+from dflash_jax.config import check_fits_target, policy
 from dflash_jax.io.checkpoints import make_drafter, write_drafter, write_target
 from dflash_jax.train import init_drafter
 from conftest import assert_long_prompts_decode_as_the_uncached_forward, inject_reference, tiny_drafter
@@ -387,3 +387,58 @@ def test_greedy_speculative_equals_plain_at_batch_one_and_three(e2b):
         assert out.tokens == ref, "output must not depend on what was proposed"
         hist += np.asarray(out.stats.accept_hist)
     assert all(hist > 0), f"every length 0..{nd}: {hist}"
+
+
+def test_a_ring_cache_decodes_as_the_uncached_forward_through_many_wraps(tmp_path_factory, monkeypatch):
+    """Sliding layers in a ring of window + 4 slots: a prefill wider than the ring (only the last kept positions
+    are written), then partly kept verifies as above, each row wrapping around the ring several times."""
+    monkeypatch.setattr(policy, "RING_SLACK", 4)
+    _, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
+    target = dflash_jax.load_target(path, dtype="float32").replace(sliding_cache="ring")
+    state = target.init_state(2, 64)
+    c = target.config
+    assert [k.shape[1] for k in state.k] == [64 if c.is_full(i) else WINDOW + 4 for i in range(len(state.k))]
+    tokens = _tokens(2, 64, seed=7)
+    full = np.asarray(target.full_logits(tokens))
+    tol = 1e-4 * np.abs(full).max()
+    lengths = np.array([3 * WINDOW + 1, WINDOW - 2])
+    logits, state = _prefill(target, state, jnp.asarray(tokens[:, :24], jnp.int32), jnp.asarray(lengths, jnp.int32))
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
+    pos, width = lengths.copy(), 3
+    for r in range(14):
+        kept = np.array([(r * 2) % 4, (r + 1) % 4])
+        block = np.stack([tokens[i, p:p + width] for i, p in enumerate(pos)])
+        logits, state = _extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
+                                       jnp.asarray(kept, jnp.int32))
+        for i, p in enumerate(pos):
+            np.testing.assert_allclose(np.asarray(logits[i]), full[i, p:p + width], atol=tol, rtol=0,
+                                       err_msg=f"round {r} row {i} at {p}")
+        pos += kept
+    assert pos.min() > 2 * (WINDOW + 4), f"each row must wrap the ring at least twice; reached {pos}"
+
+
+def test_ring_and_full_caches_give_identical_tokens(e2b, monkeypatch):
+    """Speculative decoding over a ring (every acceptance length 0..nd, so partial accepts roll back over slots
+    of positions that wrapped past the window) gives the tokens of plain decoding over full caches."""
+    monkeypatch.setattr(policy, "RING_SLACK", 8)
+    _, target, drafter, plain = e2b
+    ring = target.replace(sliding_cache="ring")
+    nd = drafter.config.n_drafts
+    out = dflash_jax.Session(ring, drafter, PROMPTS, max_new_tokens=MAX_NEW,
+                             inject=inject_reference(plain, MAX_NEW, nd, [1] * (nd + 1))).run()
+    assert out.tokens == plain
+    assert all(np.asarray(out.stats.accept_hist) > 0), out.stats.accept_hist
+
+
+def test_a_ring_refuses_a_block_that_could_overwrite_what_later_queries_see(tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(policy, "RING_SLACK", 4)
+    _, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
+    target = dflash_jax.load_target(path, dtype="float32").replace(sliding_cache="ring")
+    state = target.init_state(1, 64)
+    with pytest.raises(ValueError, match=r"a block of 6 positions over a ring of 10 slots \(window 6\) could "
+                                         r"overwrite .* at most 5 positions, or sliding_cache='full'"):
+        target.extend(state, jnp.zeros((1, 6), jnp.int32), jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match=r"sliding_cache='circular' \(keyword\): unknown sliding_cache; choices: "
+                                         "full, ring"):
+        target.replace(sliding_cache="circular").init_state(1, 64)

@@ -9,21 +9,28 @@ per-layer input, and a learned scalar on the layer's output. The LM head soft-ca
 
 State is a `KVCache` with one entry per layer before `first_shared_layer`: those layers compute K/V, and a
 KV-shared layer attends over the cache and block K/V of the layer it shares with, keeping nothing of its own.
-Sliding layers attend over their cache through `block_attention`'s window. `pending` is `start` and `commit`
-moves `seq_len`, as for dense targets.
+Full layers keep the whole capacity. Sliding layers attend through `block_attention`'s window over either the
+whole capacity too, or a ring of `sliding_window + RING_SLACK` slots (`config.policy.sliding_cache`) holding
+position p at slot p mod its length: a ring is gathered into position order before each attention. A block of
+up to `RING_SLACK + 1` positions then overwrites only positions no later query can see, whatever `commit` keeps,
+and a wider one (prefill) promises with `valid` what will be kept and writes only that. So `pending` is `start`
+and `commit` moves `seq_len`, as for dense targets, for either kind of cache.
 """
 from __future__ import annotations
 
 import functools
+
+from typing import Optional
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from flax import struct
 
 from dflash_jax.cache import KVCache, write_rows
-from dflash_jax.config import RopeConfig
+from dflash_jax.config import RopeConfig, policy
 from dflash_jax.config.targets import Gemma4Config
 from dflash_jax.targets import dense, moe
 from dflash_jax.targets.base import Target
@@ -69,6 +76,30 @@ def rope_for(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> t
 def layer_rope(cfg: Gemma4Config, i: int) -> tuple[np.ndarray, float]:
     rope = cfg.full_rope if cfg.is_full(i) else cfg.rope
     return rope_for(rope, cfg.layer_head_dim(i), cfg.max_position_embeddings)
+
+
+def ring_view(buf: jax.Array, ctx_len: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A ring `[B, S, ...]` (position p at slot p mod S) in position order, and how many of its slots hold context:
+    view slot j holds position `ctx_len - held + j`, `held = min(ctx_len, S)`. Attention over the view with
+    `held` as its context length sees the same distances between queries and keys as over the positions."""
+    size = buf.shape[1]
+    held = jnp.minimum(ctx_len, size)
+    slots = (ctx_len - held)[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+    return jnp.take_along_axis(buf, (slots % size).reshape(*slots.shape, *(1,) * (buf.ndim - 2)), axis=1), held
+
+
+def ring_write(buf: jax.Array, new: jax.Array, start: jax.Array, valid: Optional[jax.Array]) -> jax.Array:
+    """Write `new [B, W, ...]` at positions `start[b] + i` into a ring `[B, S, ...]`. With `valid`, only the last
+    min(valid, S) of the first `valid` positions (the rest are never kept, or overwritten at once)."""
+    b, w = new.shape[:2]
+    size = buf.shape[1]
+    i = jnp.arange(w, dtype=jnp.int32)[None, :]
+    slots = (start.astype(jnp.int32)[:, None] + i) % size
+    if valid is not None:
+        written = (i < valid[:, None]) & (i >= valid[:, None] - size)
+        slots = jnp.where(written, slots, size + i)  # past the end, each its own: dropped
+    batch = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, w))
+    return buf.at[batch, slots].set(new.astype(buf.dtype), mode="drop", unique_indices=True)
 
 
 class Gemma4Layer(nn.Module):
@@ -227,25 +258,45 @@ class Gemma4LM(dense.DenseLM):
         h, outputs, _ = self.run_layers(tokens, positions, attend)
         return h, dense.concat_taps(outputs, tap_ids)
 
-    def extend(self, cache: KVCache, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla"):
+    def extend(self, cache: KVCache, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla",
+               valid: Optional[jax.Array] = None):
         """Block `tokens [B, W]` at positions `start[b] + i` over the cache; the K/V of the layers that own a
-        cache written. A layer sees its cache source's entries `< start[b]` (within the window on sliding
-        layers) plus the block causally. Returns `(h [B, W, H] final-normed, taps or None, cache)`."""
+        cache written (a ring's as `ring_write` says). A layer sees its cache source's positions `< start[b]`
+        (within the window on sliding layers) plus the block causally. Returns `(h [B, W, H] final-normed,
+        taps or None, cache)`."""
         c = self.cfg
         b, w = tokens.shape
         chex.assert_shape(start, (b,))
         positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+        owners = range(c.first_shared_layer)
+        slots, capacity = min(k.shape[1] for k in cache.k), max(k.shape[1] for k in cache.k)
+        rings = {i for i in owners if cache.k[i].shape[1] < capacity}  # sliding layers only: full ones hold it all
+        widest = slots - c.sliding_window + 1
+        if rings and valid is None and w > widest:
+            raise ValueError(f"a block of {w} positions over a ring of {slots} slots (window {c.sliding_window}) "
+                             f"could overwrite positions later queries see: give `valid` (prefill), use blocks of at "
+                             f"most {widest} positions, or sliding_cache='full'")
+
+        def view(i):
+            if i not in rings:
+                return cache.k[i], cache.v[i], start
+            (k, held), (v, _) = ring_view(cache.k[i], start), ring_view(cache.v[i], start)
+            return k, v, held
+
+        views = {i: view(i) for i in owners}
 
         def attend(i, q, k, v):
-            source = c.kv_sources[i]
+            kc, vc, held = views[c.kv_sources[i]]
             window = None if c.is_full(i) else c.sliding_window
-            return block_attention(q, cache.k[source], cache.v[source], start, k, v, scale=1.0, causal=True,
-                                   window=window, impl=impl)
+            return block_attention(q, kc, vc, held, k, v, scale=1.0, causal=True, window=window, impl=impl)
 
         h, outputs, kv = self.run_layers(tokens, positions, attend)
-        owners = range(c.first_shared_layer)
-        cache = cache.replace(k=tuple(write_rows(cache.k[i], kv[i][0], start) for i in owners),
-                              v=tuple(write_rows(cache.v[i], kv[i][1], start) for i in owners))
+
+        def write(i, buf, new):
+            return ring_write(buf, new, start, valid) if i in rings else write_rows(buf, new, start)
+
+        cache = cache.replace(k=tuple(write(i, cache.k[i], kv[i][0]) for i in owners),
+                              v=tuple(write(i, cache.v[i], kv[i][1]) for i in owners))
         return h, dense.concat_taps(outputs, tap_ids), cache
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -260,7 +311,10 @@ param_shapes = functools.partial(dense.param_shapes, module_cls=Gemma4LM)
 
 class Gemma4Target(Target):
     """A Gemma-4 target (`config` a `Gemma4Config`): `Gemma4LM` applied purely to `params`; its state is a KV
-    cache of each layer that computes K/V (per-layer head_dim and KV heads)."""
+    cache of each layer that computes K/V (per-layer head_dim and KV heads). `sliding_cache` ('full' or 'ring';
+    None: `config.policy.sliding_cache`'s default) is how `init_state` sizes the sliding layers' caches."""
+
+    sliding_cache: Optional[str] = struct.field(pytree_node=False, default=None)
 
     def _apply(self, method, *args):
         return Gemma4LM(self.config).apply({"params": self.params}, *args, method=method)
@@ -268,7 +322,10 @@ class Gemma4Target(Target):
     def init_state(self, batch: int, capacity: int) -> KVCache:
         c = self.config
         dtype = self.params["embed"].dtype
-        shapes = [(batch, capacity, c.layer_kv_heads(i), c.layer_head_dim(i)) for i in range(c.first_shared_layer)]
+        ring = policy.sliding_cache(self.sliding_cache) == "ring"
+        slots = min(capacity, c.sliding_window + policy.RING_SLACK) if ring else capacity
+        shapes = [(batch, capacity if c.is_full(i) else slots, c.layer_kv_heads(i), c.layer_head_dim(i))
+                  for i in range(c.first_shared_layer)]
         return KVCache(k=tuple(jnp.zeros(s, dtype) for s in shapes), v=tuple(jnp.zeros(s, dtype) for s in shapes),
                        seq_len=jnp.zeros((batch,), jnp.int32))
 
@@ -277,7 +334,7 @@ class Gemma4Target(Target):
 
     def extend(self, state: KVCache, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla",
                valid=None):
-        h, taps, state = self._apply(Gemma4LM.extend, state, tokens, start, tap_ids, impl)
+        h, taps, state = self._apply(Gemma4LM.extend, state, tokens, start, tap_ids, impl, valid)
         return h, taps, state, start
 
     def logits(self, hidden: jax.Array) -> jax.Array:
