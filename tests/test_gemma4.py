@@ -31,9 +31,9 @@ S, F = "sliding_attention", "full_attention"
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, global_head_dim=16, sliding_window=WINDOW, max_position_embeddings=1024)
 CONFIGS = {
-    "e2b": dict(num_hidden_layers=5, layer_types=[S, F, S, S, F], num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+    "e2b": dict(num_hidden_layers=4, layer_types=[S, F, S, F], num_kv_shared_layers=2, hidden_size_per_layer_input=8,
                 vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=True, final_logit_softcapping=30.0),
-    "31b": dict(num_hidden_layers=4, layer_types=[S, S, F, F], num_global_key_value_heads=1, attention_k_eq_v=True,
+    "31b": dict(num_hidden_layers=3, layer_types=[S, S, F], num_global_key_value_heads=1, attention_k_eq_v=True,
                 hidden_size_per_layer_input=0, tie_word_embeddings=False, final_logit_softcapping=3.0),
     "26b_a4b": dict(num_hidden_layers=3, layer_types=[S, S, F], num_global_key_value_heads=1, attention_k_eq_v=True,
                     hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
@@ -100,7 +100,7 @@ def test_logits_and_taps_match_transformers_past_the_sliding_window(pair):
 def test_the_parity_configs_take_every_path():
     """The window is shorter than the prompts, layers share K/V, experts are routed apart: parity covers them."""
     e2b = target_config_from_hf(transformers.Gemma4TextConfig(**COMMON, **CONFIGS["e2b"]).to_dict())
-    assert e2b.kv_sources == (0, 1, 2, 2, 1) and e2b.mlp_width(3) == 2 * e2b.mlp_width(2)
+    assert e2b.kv_sources == (0, 1, 0, 1) and e2b.mlp_width(2) == 2 * e2b.mlp_width(1)
     big = target_config_from_hf(transformers.Gemma4TextConfig(**COMMON, **CONFIGS["31b"]).to_dict())
     assert (big.global_head_dim, big.num_global_kv_heads, big.head_dim, big.num_kv_heads) == (16, 1, 8, 2)
     assert big.full_rope.rope_type == "proportional" and big.attention_k_eq_v
@@ -143,7 +143,7 @@ def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_tow
     assert target.config.text_prefix == "model.language_model."
     assert cli.main(["inspect", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "layer types: 3 sliding (window 6), 2 full" in printed
+    assert "layer types: 2 sliding (window 6), 2 full" in printed
     assert re.search(r"text model under: model\.language_model\. \(vision and audio towers skipped: \d+ tensors\)",
                      printed)
     tokens = _tokens(2, 3 * WINDOW, seed=5)
@@ -155,7 +155,7 @@ def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_tow
 
 def test_inspect_describes_every_feature(tmp_path_factory, capsys):
     for name, lines in {
-        "e2b": ["layer types: 3 sliding (window 6), 2 full; the last 2 share K/V of layers [2, 1]",
+        "e2b": ["layer types: 2 sliding (window 6), 2 full; the last 2 share K/V of layers [0, 1]",
                 "heads: 4 query; sliding 2 kv x 8, full 2 kv x 16",
                 "rope: sliding default (theta 10000), full proportional (theta 1e+06, partial_rotary_factor=0.25)",
                 "per-layer embeddings: 8 wide, 97 rows", "mlp: 48 wide (96 on KV-shared layers), gelu_pytorch_tanh",
@@ -181,19 +181,19 @@ def _hf(**changes):
     (dict(use_bidirectional_attention="all"), r"use_bidirectional_attention 'all'; only causal attention \(null\)"),
     (dict(hidden_activation="silu"), "hidden_activation 'silu': supported: gelu_pytorch_tanh"),
     (dict(attention_bias=True), "attention_bias: true; only bias-free attention"),
-    (dict(layer_types=[S, "chunked_attention", S, S, F]),
+    (dict(layer_types=[S, "chunked_attention", S, F]),
      r"layer_types has \['chunked_attention'\]; supported layer types: sliding_attention, full_attention"),
-    (dict(layer_types=[S, F]), "layer_types has 2 entries but num_hidden_layers is 5"),
-    (dict(num_kv_shared_layers=5), r"num_kv_shared_layers 5: expected an integer in 0..4"),
-    (dict(layer_types=[F, F, F, S, F]), r"shared \['sliding_attention'\] layers have no earlier layer of their type"),
+    (dict(layer_types=[S, F]), "layer_types has 2 entries but num_hidden_layers is 4"),
+    (dict(num_kv_shared_layers=4), r"num_kv_shared_layers 4: expected an integer in 0..3"),
+    (dict(layer_types=[F, F, S, F]), r"shared \['sliding_attention'\] layers have no earlier layer of their type"),
     (dict(per_layer_config={"1": {"sliding_window": 3}}),
      r"per_layer_config\['1'\] .*supported per-layer overrides: head_dim, num_key_value_heads"),
-    (dict(per_layer_config={"1": {"head_dim": 16}, "4": {"head_dim": 32}}),
+    (dict(per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 32}}),
      r"gives full_attention layers different head_dim / num_key_value_heads \[\(16, 2\), \(32, 2\)\]"),
-    (dict(per_layer_config={"7": {"head_dim": 16}}), r"per_layer_config key '7': expected a layer index in 0..4"),
-    (dict(per_layer_config={"1": {"num_key_value_heads": 3}, "4": {"num_key_value_heads": 3}}),
+    (dict(per_layer_config={"7": {"head_dim": 16}}), r"per_layer_config key '7': expected a layer index in 0..3"),
+    (dict(per_layer_config={"1": {"num_key_value_heads": 3}, "3": {"num_key_value_heads": 3}}),
      r"num_attention_heads 4 is not a multiple of the full_attention layers' num_key_value_heads 3"),
-    (dict(per_layer_config={"1": {"head_dim": 15}, "4": {"head_dim": 15}}), "full_attention head_dim 15: rope needs"),
+    (dict(per_layer_config={"1": {"head_dim": 15}, "3": {"head_dim": 15}}), "full_attention head_dim 15: rope needs"),
     (dict(enable_moe_block=True, num_experts=4), "enable_moe_block: true config.json has no 'top_k_experts'"),
     (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=8),
      "top_k_experts 5 exceeds num_experts 4"),
@@ -240,7 +240,7 @@ def test_gemma4_census_reads_transformers_defaults():
 
 def test_a_last_sliding_layer_runs_full_attention_as_in_transformers():
     with pytest.warns(UserWarning, match="the last layer runs full attention"):
-        cfg = target_config_from_hf(_hf(layer_types=[S, F, S, S, S], num_kv_shared_layers=0))
+        cfg = target_config_from_hf(_hf(layer_types=[S, F, S, S], num_kv_shared_layers=0))
     assert cfg.layer_types[-1] == F
 
 
@@ -270,7 +270,7 @@ def test_kv_shared_layers_own_kv_tensors_are_skipped_as_transformers_skips_them(
     """A checkpoint that still stores K/V projections for its KV-shared layers loads to the same target."""
     _, path = _saved("e2b", str(tmp_path_factory.getbasetemp()))
     tensors = load_file(f"{path}/model.safetensors")
-    extra = {f"model.layers.{i}.self_attn.{n}": np.ones(s, np.float32) for i in (3, 4)
+    extra = {f"model.layers.{i}.self_attn.{n}": np.ones(s, np.float32) for i in (2, 3)
              for n, s in (("k_proj.weight", (16, 32)), ("v_proj.weight", (16, 32)), ("k_norm.weight", (8,)))}
     out = tmp_path_factory.mktemp("shared_kv")
     save_file(tensors | extra, str(out / "model.safetensors"))
@@ -297,12 +297,12 @@ def test_prefill_then_partly_kept_blocks_equal_the_uncached_forward(pair):
     kept (the rest rolled back by `commit`), the short row running past its window: every kept position's logits
     equal the uncached forward's."""
     _, target, _ = pair
-    tokens = _tokens(2, 40, seed=2)
-    full = np.asarray(target.full_logits(tokens))
+    tokens = _tokens(2, 4 * WINDOW, seed=2)
+    full = np.asarray(_logits_and_taps(target, jnp.asarray(tokens, jnp.int32), (0, target.config.num_layers - 2))[0])
     tol = 1e-4 * np.abs(full).max()
-    lengths = np.array([3 * WINDOW + 1, WINDOW - 2])
-    state = target.init_state(2, 64)
-    logits, state = _prefill(target, state, jnp.asarray(tokens[:, :24], jnp.int32), jnp.asarray(lengths, jnp.int32))
+    lengths = np.array([2 * WINDOW + 1, WINDOW - 2])
+    state = target.init_state(2, 32)
+    logits, state = _prefill(target, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32))
     for i, n in enumerate(lengths):
         np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
     pos, width = lengths.copy(), 3
@@ -442,3 +442,14 @@ def test_a_ring_refuses_a_block_that_could_overwrite_what_later_queries_see(tmp_
     with pytest.raises(ValueError, match=r"sliding_cache='circular' \(keyword\): unknown sliding_cache; choices: "
                                          "full, ring"):
         target.replace(sliding_cache="circular").init_state(1, 64)
+
+
+def test_the_sliding_cache_resolves_keyword_then_environment_then_full(tmp_path_factory, monkeypatch):
+    target = dflash_jax.load_target(_saved("31b", str(tmp_path_factory.getbasetemp()))[1])
+    assert {k.shape[1] for k in target.init_state(1, 100).k} == {100}
+    monkeypatch.setenv("DFLASH_SLIDING_CACHE", "ring")
+    assert [k.shape[1] for k in target.init_state(1, 100).k] == [WINDOW + policy.RING_SLACK] * 2 + [100]
+    assert {k.shape[1] for k in target.replace(sliding_cache="full").init_state(1, 100).k} == {100}
+    monkeypatch.setenv("DFLASH_SLIDING_CACHE", "rings")
+    with pytest.raises(ValueError, match=r"DFLASH_SLIDING_CACHE='rings': unknown sliding_cache; choices: full, ring"):
+        target.init_state(1, 100)
