@@ -292,6 +292,28 @@ def _prefill(target, state, block, kept):
     return target.logits(h), target.commit(state, pending, kept)
 
 
+def _verifies_match_the_forward(target, state, tokens, full, lengths, kepts, width: int = 3) -> np.ndarray:
+    """A ragged prefill of `lengths` (a 24-wide chunk), then verify blocks of `width` at each row's position of
+    which `kepts[r]` are kept: every logit of the prefill and of the blocks equals the uncached forward's `full`.
+    Returns the positions reached."""
+    tol = 1e-4 * np.abs(full).max()
+    lengths = np.asarray(lengths)
+    logits, state = _prefill(target, state, jnp.asarray(tokens[:, :24], jnp.int32), jnp.asarray(lengths, jnp.int32))
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
+    pos = lengths.copy()
+    for r, kept in enumerate(kepts):
+        block = np.stack([tokens[i, p:p + width] for i, p in enumerate(pos)])
+        logits, state = _extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
+                                       jnp.asarray(kept, jnp.int32))
+        for i, p in enumerate(pos):
+            np.testing.assert_allclose(np.asarray(logits[i]), full[i, p:p + width], atol=tol, rtol=0,
+                                       err_msg=f"round {r} row {i} at {p}")
+        pos += kept
+        np.testing.assert_array_equal(np.asarray(state.seq_len), pos)
+    return pos
+
+
 def test_prefill_then_partly_kept_blocks_equal_the_uncached_forward(pair):
     """A ragged prefill (one row past the window, one inside it), then verify blocks of which only a prefix is
     kept (the rest rolled back by `commit`), the short row running past its window: every kept position's logits
@@ -299,22 +321,9 @@ def test_prefill_then_partly_kept_blocks_equal_the_uncached_forward(pair):
     _, target, _ = pair
     tokens = _tokens(2, 4 * WINDOW, seed=2)
     full = np.asarray(_logits_and_taps(target, jnp.asarray(tokens, jnp.int32), (0, target.config.num_layers - 2))[0])
-    tol = 1e-4 * np.abs(full).max()
-    lengths = np.array([2 * WINDOW + 1, WINDOW - 2])
     state = target.init_state(2, 32)
-    logits, state = _prefill(target, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32))
-    for i, n in enumerate(lengths):
-        np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
-    pos, width = lengths.copy(), 3
-    for kept in ([0, 3], [1, 0], [3, 2], [2, 3], [0, 1], [1, 3]):
-        block = np.stack([tokens[i, p:p + width] for i, p in enumerate(pos)])
-        logits, state = _extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
-                                       jnp.asarray(kept, jnp.int32))
-        for i, p in enumerate(pos):
-            np.testing.assert_allclose(np.asarray(logits[i]), full[i, p:p + width], atol=tol, rtol=0,
-                                       err_msg=f"row {i} at {p}")
-        pos += kept
-        np.testing.assert_array_equal(np.asarray(state.seq_len), pos)
+    pos = _verifies_match_the_forward(target, state, tokens, full, [2 * WINDOW + 1, WINDOW - 2],
+                                      [[0, 3], [1, 0], [3, 2], [2, 3], [0, 1], [1, 3]])
     assert pos[1] > 2 * WINDOW, "the short row must run past its window during the verifies"
 
 
@@ -400,21 +409,8 @@ def test_a_ring_cache_decodes_as_the_uncached_forward_through_many_wraps(tmp_pat
     assert [k.shape[1] for k in state.k] == [64 if c.is_full(i) else WINDOW + 4 for i in range(len(state.k))]
     tokens = _tokens(2, 64, seed=7)
     full = np.asarray(target.full_logits(tokens))
-    tol = 1e-4 * np.abs(full).max()
-    lengths = np.array([3 * WINDOW + 1, WINDOW - 2])
-    logits, state = _prefill(target, state, jnp.asarray(tokens[:, :24], jnp.int32), jnp.asarray(lengths, jnp.int32))
-    for i, n in enumerate(lengths):
-        np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
-    pos, width = lengths.copy(), 3
-    for r in range(14):
-        kept = np.array([(r * 2) % 4, (r + 1) % 4])
-        block = np.stack([tokens[i, p:p + width] for i, p in enumerate(pos)])
-        logits, state = _extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
-                                       jnp.asarray(kept, jnp.int32))
-        for i, p in enumerate(pos):
-            np.testing.assert_allclose(np.asarray(logits[i]), full[i, p:p + width], atol=tol, rtol=0,
-                                       err_msg=f"round {r} row {i} at {p}")
-        pos += kept
+    pos = _verifies_match_the_forward(target, state, tokens, full, [3 * WINDOW + 1, WINDOW - 2],
+                                      [[(r * 2) % 4, (r + 1) % 4] for r in range(14)])
     assert pos.min() > 2 * (WINDOW + 4), f"each row must wrap the ring at least twice; reached {pos}"
 
 
