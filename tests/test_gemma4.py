@@ -22,6 +22,7 @@ from dflash_jax import cli
 from dflash_jax.config import CheckpointError, target_config_from_hf
 from dflash_jax.config import check_fits_target, policy
 from dflash_jax.io.checkpoints import make_drafter, write_drafter, write_target
+from dflash_jax.targets import moe
 from dflash_jax.train import init_drafter
 from conftest import assert_long_prompts_decode_as_the_uncached_forward, inject_reference, tiny_drafter
 
@@ -449,3 +450,18 @@ def test_the_sliding_cache_resolves_keyword_then_environment_then_full(tmp_path_
     monkeypatch.setenv("DFLASH_SLIDING_CACHE", "rings")
     with pytest.raises(ValueError, match=r"DFLASH_SLIDING_CACHE='rings': unknown sliding_cache; choices: full, ring"):
         target.init_state(1, 100)
+
+
+def test_gemma4_experts_take_a_tanh_gelu_gate_in_both_impls_and_refuse_another():
+    """The routed experts' GeGLU (`moe.experts(activation="gelu_tanh")`): the GPU's `ragged_dot` form equals the
+    gather the CPU runs (parity covers the gather), and an unknown activation is refused naming the choices."""
+    rng = np.random.default_rng(0)
+    x, w_gate_up, w_down = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((5, 8), (4, 8, 12), (4, 6, 8)))
+    idx = jnp.asarray(rng.integers(0, 4, (5, 2)), jnp.int32)
+    weights = jnp.asarray(rng.random((5, 2)), jnp.float32)
+    gather = moe.experts(x, weights, idx, w_gate_up, w_down, impl="gather", activation="gelu_tanh")
+    np.testing.assert_allclose(np.asarray(moe.experts(x, weights, idx, w_gate_up, w_down, impl="ragged",
+                                                      activation="gelu_tanh")), np.asarray(gather), rtol=1e-5)
+    assert not np.allclose(np.asarray(gather), np.asarray(moe.experts(x, weights, idx, w_gate_up, w_down, "gather")))
+    with pytest.raises(ValueError, match=r"activation='relu' is not supported; choose one of \('silu', 'gelu_tanh'\)"):
+        moe.experts(x, weights, idx, w_gate_up, w_down, impl="gather", activation="relu")

@@ -74,6 +74,7 @@ def rope_for(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> t
 
 
 def layer_rope(cfg: Gemma4Config, i: int) -> tuple[np.ndarray, float]:
+    """Layer i's rope: its type's, over its type's head_dim."""
     rope = cfg.full_rope if cfg.is_full(i) else cfg.rope
     return rope_for(rope, cfg.layer_head_dim(i), cfg.max_position_embeddings)
 

@@ -57,7 +57,8 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -
 
 def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
             impl: str, activation: str = "silu") -> jax.Array:
-    """`sum_k weights[t, k] * SwiGLU_{idx[t, k]}(x[t])` for tokens `x [T, H]`: `[T, H]` in x.dtype.
+    """`sum_k weights[t, k] * MLP_{idx[t, k]}(x[t])` for tokens `x [T, H]`, each expert a gated MLP (SwiGLU by
+    default): `[T, H]` in x.dtype.
 
     weights `[T, k]`, idx int `[T, k]` in `[0, E)`, w_gate_up `[E, H, 2I]`, w_down `[E, I, H]`. The
     products accumulate in float32 (full float32 for float32 inputs); the gated activation is cast to
