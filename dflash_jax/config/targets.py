@@ -661,7 +661,6 @@ def gemma4_config_from_hf(d: Mapping) -> Gemma4Config:
     if not isinstance(t, Mapping):
         raise CheckpointError(f"gemma4 conditional-generation config has text_config {t!r}: expected an object")
     _gemma4_refusals(t)
-    what = "gemma4 target"
     n = positive_int(t.get("num_hidden_layers", 30), "num_hidden_layers")
     types = _gemma4_layer_types(t, n)
     heads = positive_int(t.get("num_attention_heads", 8), "num_attention_heads")
