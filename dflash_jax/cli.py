@@ -13,11 +13,13 @@ from dflash_jax.config import (
     HARVESTS,
     CheckpointError,
     DrafterConfig,
+    Gemma4Config,
     HybridConfig,
     TargetConfig,
     is_ignorable_target_tensor,
     is_vision_tensor,
     policy,
+    skipped_towers,
 )
 from dflash_jax.demo import DEMO_DRAFTERS
 from dflash_jax.io import checkpoints
@@ -54,6 +56,8 @@ def describe_target(cfg: TargetConfig, infos: dict) -> list:
         f"dtype: {cfg.dtype}",
         f"parameters: {n_params:,}",
     ]
+    if isinstance(cfg, Gemma4Config):
+        lines[3:6] = _describe_gemma4(cfg, infos)
     if isinstance(cfg, HybridConfig):
         vision = sum(map(is_vision_tensor, infos))
         lines[3:3] = [
@@ -68,6 +72,34 @@ def describe_target(cfg: TargetConfig, infos: dict) -> list:
             f"text model under: {cfg.text_prefix}" + (f" (vision tower skipped: {vision} tensors)" if vision else ""),
         ]
     return lines
+
+
+def _describe_gemma4(cfg: Gemma4Config, infos: dict) -> list:
+    """The lines of a Gemma-4 target in place of the hidden, heads and rope lines: per-type layers, heads and
+    rope, KV sharing, per-layer embeddings, MLP, experts, soft-cap, where the text model sits."""
+    sliding = sum(not cfg.is_full(i) for i in range(cfg.num_layers))
+    shared = cfg.kv_sources[cfg.first_shared_layer:]
+    sharing = f"the last {len(shared)} share K/V of layers {list(shared)}" if shared else "no KV sharing"
+    k_eq_v = " (keys are values)" if cfg.attention_k_eq_v else ""
+    double = f" ({2 * cfg.intermediate_size} on KV-shared layers)" if cfg.use_double_wide_mlp and shared else ""
+    ple = cfg.hidden_size_per_layer_input
+    towers = sum(name.startswith(skipped_towers(cfg)[1]) for name in infos)
+    return [
+        f"layer types: {sliding} sliding (window {cfg.sliding_window}), {cfg.num_layers - sliding} full; {sharing}",
+        f"hidden: {cfg.hidden_size}, vocab: {cfg.vocab_size}",
+        f"heads: {cfg.num_heads} query; sliding {cfg.num_kv_heads} kv x {cfg.head_dim}, full "
+        f"{cfg.num_global_kv_heads} kv x {cfg.global_head_dim}{k_eq_v}",
+        f"rope: sliding {_rope_text(cfg.rope)}, full {_rope_text(cfg.full_rope)}",
+        f"per-layer embeddings: {ple} wide, {cfg.vocab_size_per_layer_input} rows" if ple else
+        "per-layer embeddings: none",
+        f"mlp: {cfg.intermediate_size} wide{double}, gelu_pytorch_tanh",
+        f"experts: {cfg.num_experts} beside the MLP (top {cfg.top_k_experts}, {cfg.moe_intermediate_size} wide)"
+        if cfg.num_experts else "experts: none",
+        f"final logit softcap: {cfg.final_logit_softcapping:g}" if cfg.final_logit_softcapping else
+        "final logit softcap: none",
+        f"text model under: {cfg.text_prefix}" + (f" (vision and audio towers skipped: {towers} tensors)"
+                                                  if towers else ""),
+    ]
 
 
 def describe_trained_for(config: Mapping) -> str:

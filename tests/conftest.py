@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import DrafterConfig, HybridConfig, RopeConfig, TargetConfig
+from dflash_jax.config import DrafterConfig, Gemma4Config, HybridConfig, RopeConfig, TargetConfig
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.io.checkpoints import drafter_family, make_drafter, make_target, target_family
 from dflash_jax.targets.base import Target
@@ -55,6 +55,27 @@ def tiny_hybrid(seed: int = 0, vocab: int = 64, hidden: int = 32) -> Target:
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: x - 1.0 if getattr(path[-1], "key", None) in centred else x,
         random_params(target_param_shapes(cfg), seed))
+    return make_target(cfg, params)
+
+
+def tiny_gemma4(seed: int = 0, vocab: int = 64, hidden: int = 32, window: int = 4) -> Target:
+    """A Gemma-4 E2B-style target: sliding, full (wider heads, proportional rope), then a sliding and a full layer
+    that share the K/V of the first two; per-layer embeddings, an untied head and a logit soft-cap. The norms after
+    attention, MLP and per-layer input weigh 0.3, so each layer adds less to the residual stream than the embedding
+    holds (as a trained model's do)."""
+    sliding, full = "sliding_attention", "full_attention"
+    cfg = Gemma4Config(arch="gemma4", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=4,
+                       num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(10000.0),
+                       max_position_embeddings=1024, layer_types=(sliding, full, sliding, full), sliding_window=window,
+                       global_head_dim=16, num_global_kv_heads=1,
+                       full_rope=RopeConfig(1e6, "proportional", (("partial_rotary_factor", 0.25),)),
+                       num_kv_shared_layers=2, hidden_size_per_layer_input=4, vocab_size_per_layer_input=vocab,
+                       final_logit_softcapping=30.0)
+    def leaf(path, x):
+        name = getattr(path[-1], "key", "")
+        return x + 1.0 if name == "layer_scalar" else 0.3 * x if name.startswith("post_") or name == "ple_norm" else x
+
+    params = jax.tree_util.tree_map_with_path(leaf, random_params(target_param_shapes(cfg), seed))
     return make_target(cfg, params)
 
 

@@ -116,3 +116,18 @@ def test_moe_bench_checks_every_impl_against_the_gather_and_sweeps_the_kernel(tm
     assert all(cell[f"{impl}_ms"] > 0 for cell in payload["cells"] for impl in moe.MOE_IMPLS)
     assert {(row["T"], row["product"]) for row in payload["sweep"]} == {(1, "gate_up"), (1, "down"), (16, "gate_up"),
                                                                        (16, "down")}
+
+
+def test_gemma4_tiny_measures_plain_and_round_phases_losslessly_over_a_ring(tmp_path):
+    """The ring (`--sliding-caches ring`), the cache that differs from every other family's; 'full' runs the same
+    code over the default cache."""
+    import gemma4
+
+    payload = gemma4.main(["--tiny", "--out", str(tmp_path), "--reps", "1", "--new", "16", "--calls", "2",
+                           "--phase-reps", "1", "--sliding-caches", "ring"])
+    assert (tmp_path / "gemma4_tiny.json").exists()
+    (cell,) = payload["cells"]
+    assert cell["sliding_cache"] == "ring" and cell["headline"]["lossless"] and cell["headline"]["no_recompile"]
+    assert cell["plain"]["bytes"]["kv"] > 0 and cell["plain"]["roofline_ratio"] > 0
+    assert all(cell["round"]["phases"][f"{k}_s"] > 0 for k in ("draft", "verify", "commit_ingest"))
+    assert cell["prompt"] > payload["config"]["sliding_window"] + payload["ring_slack"], "the ring must wrap"

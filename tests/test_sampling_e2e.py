@@ -24,7 +24,9 @@ on it (block 4, symmetric windows of 4, dynamic convolutions near the identity) 
 selector walk over the top 4 of 16 tokens: sampled, its q is sparse (the walk's distribution over
 the candidates), and a residual that ignores q fails the same bound. The DFlash drafter also runs over a hybrid
 target (a Gated DeltaNet layer and an attention layer, with the same token bias): its rejections roll the
-recurrent state back through `commit`, and the committed tokens must still follow that target's exact joint.
+recurrent state back through `commit`, and the committed tokens must still follow that target's exact joint. So
+does it over a Gemma-4 target (sliding layers whose window of 4 the 8 positions outgrow, KV-shared layers, a scaled
+embedding that the drafter embeds through, a soft-capped head).
 """
 import dataclasses
 import functools
@@ -48,6 +50,7 @@ from conftest import (
     inverted_accept_length,
     residual_without_q,
     tiny_drafter,
+    tiny_gemma4,
     tiny_hybrid,
     tiny_target,
 )
@@ -78,6 +81,7 @@ CASES = [(name, proposal, "dflash") for name in SAMPLINGS for proposal in smp.PR
 CASES += [("t1", "argmax", "dspark"), ("t08_topp09", "sample", "dspark")]
 CASES += [("t1", "sample", "dflash2"), ("t08_topp09", "sample", "dflash2"), ("t1_topk8", "argmax", "dflash2")]
 HYBRID_CASES = [("t1", "sample", "dflash@hybrid"), ("t08_topp09", "argmax", "dflash@hybrid")]
+GEMMA4_CASES = [("t08_topp09", "sample", "dflash@gemma4")]  # one case: the Gemma-4 tests' time budget
 SELECTOR_RANK, SELECTOR_TOP_K, SELECTOR_SCALE = 4, 4, 0.05  # the walk's sparse q over 4 of 16 tokens
 MARKOV_RANK = 4
 MARKOV_SCALE = 0.25  # shifts every slot's q (and about 6% of argmax drafts) yet leaves drafts acceptable
@@ -88,9 +92,11 @@ CONFIDENCE_SCALE, CONFIDENCE_BIAS, TAU = 1.0, 4.2, 0.45  # widths 2..5 across co
 def pair(family: str = "dflash") -> tuple:
     """(target, drafter) whose logits share a token bias (see the module docstring). The DSpark drafter
     adds a Markov head and a confidence head (per-row confidence widths) to the same backbone; `@hybrid`
-    puts the drafter on a hybrid target (Gated DeltaNet and attention layers: `commit` selects its states)."""
+    puts the drafter on a hybrid target (Gated DeltaNet and attention layers: `commit` selects its states),
+    `@gemma4` on a Gemma-4 target."""
     family, _, kind = family.partition("@")
-    base = (tiny_hybrid if kind == "hybrid" else functools.partial(tiny_target, layers=2))(0, vocab=V, hidden=H)
+    make = {"hybrid": tiny_hybrid, "gemma4": tiny_gemma4}.get(kind, functools.partial(tiny_target, layers=2))
+    base = make(0, vocab=V, hidden=H)
     target = biased_target(base, base.params, BIAS_DIM_SIZE, BIAS_SLOPE, CONTEXT_SCALE)
     d = tiny_drafter(target, block_size=4, tap_ids=(0, 1))
     layers = damped_layers(d, DRAFTER_DAMP)
@@ -145,7 +151,8 @@ def tv_bound(p, n: int, two_sample: bool = False) -> float:
 @functools.cache
 def exact_joint(sampling: Sampling, family: str = "dflash") -> np.ndarray:
     """P(t1, t2, t3) f64[V, V, V] under the filtered target of `family`'s pair, from one uncached forward."""
-    target, _ = pair("dflash@hybrid" if family.endswith("@hybrid") else "dflash")
+    kind = family.partition("@")[2]
+    target, _ = pair(f"dflash@{kind}" if kind else "dflash")
     seqs = np.array([PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)
     logits = target.full_logits(seqs)[:, len(PROMPT) - 1:]
     p = np.exp(np.asarray(smp.filtered_logprobs(logits, smp.row_params(sampling, len(seqs))), np.float64))
@@ -204,7 +211,7 @@ def distances(tokens: np.ndarray, exact: np.ndarray) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name, proposal, family", CASES + HYBRID_CASES)
+@pytest.mark.parametrize("name, proposal, family", CASES + HYBRID_CASES + GEMMA4_CASES)
 def test_speculative_joint_of_three_tokens_matches_the_target(name, proposal, family):
     exact = exact_joint(SAMPLINGS[name], family)
     tokens, _ = speculative_draws(name, proposal, family)
@@ -231,7 +238,7 @@ def test_speculative_joint_matches_plain_sampling(name, proposal, family):
                        f"two samples of one distribution exceed {bound:.4f} with probability < {DELTA}")
 
 
-@pytest.mark.parametrize("name, proposal, family", CASES + HYBRID_CASES)
+@pytest.mark.parametrize("name, proposal, family", CASES + HYBRID_CASES + GEMMA4_CASES)
 def test_drafts_are_accepted_often_enough_to_exercise_the_accept_path(name, proposal, family):
     _, stats = speculative_draws(name, proposal, family)
     rate = stats["accepted"] / stats["drafted"]

@@ -15,20 +15,24 @@ from dflash_jax.config.drafters import (
 )
 from dflash_jax.config.rope import RopeConfig, rope_from_hf, rope_to_hf
 from dflash_jax.config.targets import (
+    GEMMA4_ARCHITECTURES,
     HYBRID_ARCHITECTURES,
     TARGET_ARCHITECTURES,
+    Gemma4Config,
     HybridConfig,
     TargetConfig,
     is_ignorable_target_tensor,
     is_vision_tensor,
+    skipped_towers,
     target_config_from_hf,
     target_to_hf_config,
 )
 
 __all__ = [
-    "DTYPES", "FAMILY_NAMES", "HARVESTS", "HYBRID_ARCHITECTURES", "OVERRIDABLE", "TARGET_ARCHITECTURES",
-    "CheckpointError", "DrafterConfig", "HybridConfig", "is_vision_tensor",
+    "DTYPES", "FAMILY_NAMES", "GEMMA4_ARCHITECTURES", "HARVESTS", "HYBRID_ARCHITECTURES", "OVERRIDABLE",
+    "TARGET_ARCHITECTURES",
+    "CheckpointError", "DrafterConfig", "Gemma4Config", "HybridConfig", "is_vision_tensor",
     "RopeConfig", "TargetConfig", "check_fits_target", "check_tensor_shapes", "default_target_layer_ids",
     "drafter_census", "drafter_to_hf_config", "dtype_name", "is_ignorable_target_tensor", "rope_from_hf",
-    "rope_to_hf", "target_config_from_hf", "target_to_hf_config",
+    "rope_to_hf", "skipped_towers", "target_config_from_hf", "target_to_hf_config",
 ]

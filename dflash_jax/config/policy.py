@@ -139,6 +139,21 @@ def clamp_vt(m_plus_2, cap: int):
     return jnp.clip(m_plus_2, low, cap)
 
 
+SLIDING_CACHES = ("full", "ring")
+RING_SLACK = 32
+"""Slots a ring holds beyond the window: a block of up to RING_SLACK + 1 positions (a verify) may be written and
+partly rolled back without overwriting a position a later query can see."""
+
+
+def sliding_cache(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]] = os.environ) -> str:
+    """How a Gemma-4 target's sliding-window layers keep their K/V: keyword > DFLASH_SLIDING_CACHE > 'full'.
+
+    'full': a cache of the whole capacity, attended through a windowed mask. 'ring': `sliding_window + RING_SLACK`
+    slots (when fewer than the capacity), each position at its index modulo that; less memory, and a gather
+    of the ring into position order before each attention. Both give the same tokens."""
+    return resolve_choice("sliding_cache", kwarg, "full", SLIDING_CACHES, env)
+
+
 ATTENTION_IMPLS = ("xla", "pallas")
 
 

@@ -21,7 +21,7 @@ from dflash_jax.config import (
     drafter_to_hf_config,
     dtype_name,
     is_ignorable_target_tensor,
-    is_vision_tensor,
+    skipped_towers,
     target_config_from_hf,
     target_to_hf_config,
 )
@@ -39,7 +39,7 @@ from dflash_jax.io.safetensors import (
     write_config,
     write_tensors,
 )
-from dflash_jax.targets import dense, dense_names, hybrid, hybrid_names
+from dflash_jax.targets import dense, dense_names, gemma4, gemma4_names, hybrid, hybrid_names
 from dflash_jax.targets.base import Target
 
 
@@ -87,7 +87,9 @@ class Family:
 
 _DENSE = Family(dense.DenseTarget, dense.param_shapes, dense_names.name_map, dense.init_params)
 _HYBRID = Family(hybrid.HybridTarget, hybrid.param_shapes, hybrid_names.name_map, hybrid.init_params)
-TARGET_FAMILIES = {"qwen3": _DENSE, "llama": _DENSE, "qwen3_5": _HYBRID, "qwen3_5_moe": _HYBRID, "qwen3_next": _HYBRID}
+_GEMMA4 = Family(gemma4.Gemma4Target, gemma4.param_shapes, gemma4_names.name_map, gemma4.init_params)
+TARGET_FAMILIES = {"qwen3": _DENSE, "llama": _DENSE, "qwen3_5": _HYBRID, "qwen3_5_moe": _HYBRID, "qwen3_next": _HYBRID,
+                   "gemma4": _GEMMA4}
 """Target families by `TargetConfig.arch`."""
 DRAFTER_FAMILIES = {
     "dflash": Family(dflash.DFlashDrafter, dflash.param_shapes, dflash_names.name_map, dflash.init_params),
@@ -152,9 +154,10 @@ def read_target(path, dtype=None, check_finite: bool = True) -> Target:
     `check_finite` refuses a tensor holding NaN or Inf in that dtype.
     """
     cfg, infos = inspect_target(path)
-    vision = sum(map(is_vision_tensor, infos))
-    if vision:
-        warnings.warn(f"{path}: skipping the vision tower ({vision} tensors under model.visual.*): "
+    what, prefixes = skipped_towers(cfg)
+    towers = sum(name.startswith(prefixes) for name in infos)
+    if towers:
+        warnings.warn(f"{path}: skipping the {what} ({towers} tensors under {', '.join(p + '*' for p in prefixes)}): "
                       "dflash-jax runs the text model", stacklevel=2)
     with naming_config(path):
         dtype = load_dtype(dtype, read_config(path), infos, cfg.text_prefix + "embed_tokens.weight")

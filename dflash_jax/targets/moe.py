@@ -4,6 +4,7 @@ Semantics of transformers' `Qwen3NextSparseMoeBlock`: router logits `x @ router`
 softmax in float32, top-k, optionally renormalised to sum 1, weights cast to x's dtype. Each chosen
 expert e is a SwiGLU MLP (`w_gate_up[e] [H, 2I]`, `w_down[e] [I, H]`); the block output is
 `sum_k weight_k * expert_k(x) + sigmoid(x @ shared_gate) * shared_swiglu(x)`. Weights are `[in, out]`.
+Gemma-4 (`gemma4.py`) routes its own way around `route` and runs `experts` with a tanh-GELU gate.
 
 The routed experts have three implementations (`MOE_IMPLS`), all accumulating in float32:
 - `"grouped"`: the T*k (token, expert) rows sorted by expert into one group per distinct expert, each group
@@ -23,6 +24,8 @@ from dflash_jax.targets.layers import exact, matmul, swiglu
 from pallas_kernels.expert_matmul import expert_matmul
 
 MOE_IMPLS = ("grouped", "ragged", "gather")
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+"""The gate activations of an expert's gated MLP: SwiGLU (Qwen) or GeGLU with tanh GELU (Gemma-4)."""
 
 GROUPED_MAX_TOKENS = 16
 """On a GPU, blocks of up to this many tokens take `"grouped"`, wider ones (prefill chunks) `ragged_dot`. On the H200
@@ -56,25 +59,29 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -
 
 
 def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-            impl: str) -> jax.Array:
-    """`sum_k weights[t, k] * SwiGLU_{idx[t, k]}(x[t])` for tokens `x [T, H]`: `[T, H]` in x.dtype.
+            impl: str, activation: str = "silu") -> jax.Array:
+    """`sum_k weights[t, k] * MLP_{idx[t, k]}(x[t])` for tokens `x [T, H]`, each expert a gated MLP (SwiGLU by
+    default): `[T, H]` in x.dtype.
 
     weights `[T, k]`, idx int `[T, k]` in `[0, E)`, w_gate_up `[E, H, 2I]`, w_down `[E, I, H]`. The
-    products accumulate in float32 (full float32 for float32 inputs); the SwiGLU activation is cast to
-    x.dtype before the down projection, as transformers does."""
+    products accumulate in float32 (full float32 for float32 inputs); the gated activation is cast to
+    x.dtype before the down projection, as transformers does. `activation` (of `ACTIVATIONS`) is the gate's."""
     _check_experts(x, weights, idx, w_gate_up, w_down, impl)
-    y = {"grouped": _grouped, "ragged": _ragged, "gather": _gather}[impl](x, idx, w_gate_up, w_down)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe: activation={activation!r} is not supported; choose one of {tuple(ACTIVATIONS)}.")
+    act = ACTIVATIONS[activation]
+    y = {"grouped": _grouped, "ragged": _ragged, "gather": _gather}[impl](x, idx, w_gate_up, w_down, act)
     return jnp.sum(weights.astype(jnp.float32)[..., None] * y, axis=1).astype(x.dtype)
 
 
-def _ragged(x, idx, w_gate_up, w_down):
+def _ragged(x, idx, w_gate_up, w_down, act):
     """Per-(token, expert) outputs `[T, k, H]` float32 through one grouped matmul per projection."""
     t, k = idx.shape
     rows, sizes, order = _rows_by_expert(x, idx, w_gate_up.shape[0])
     h = jax.lax.ragged_dot(rows, w_gate_up, sizes, precision=exact(x, w_gate_up),
                            preferred_element_type=jnp.float32)
-    act = _swiglu_act(h, x.dtype)
-    y = jax.lax.ragged_dot(act, w_down, sizes, precision=exact(act, w_down), preferred_element_type=jnp.float32)
+    gated = _gated_act(h, x.dtype, act)
+    y = jax.lax.ragged_dot(gated, w_down, sizes, precision=exact(gated, w_down), preferred_element_type=jnp.float32)
     return jnp.take(y, jnp.argsort(order), axis=0).reshape(t, k, -1)
 
 
@@ -87,14 +94,14 @@ def _rows_by_expert(x, idx, num_experts):
     return jnp.take(x, order // idx.shape[1], axis=0), sizes, order
 
 
-def _grouped(x, idx, w_gate_up, w_down):
+def _grouped(x, idx, w_gate_up, w_down, act):
     """Per-(token, expert) outputs `[T, k, H]` float32: rows grouped by distinct expert, `G = min(E, T*k)` groups
     of up to T rows (an expert appears at most once per token); unused groups have expert -1 and cost nothing."""
     t, k = idx.shape
     if t == 1:  # a decode step: its k experts are distinct already, one row each
-        act = _swiglu_act(expert_matmul(jnp.broadcast_to(x[None], (k, 1, x.shape[1])), w_gate_up, idx[0],
-                                        impl="pallas"), x.dtype)
-        return expert_matmul(act, w_down, idx[0], impl="pallas").reshape(1, k, -1)
+        gated = _gated_act(expert_matmul(jnp.broadcast_to(x[None], (k, 1, x.shape[1])), w_gate_up, idx[0],
+                                         impl="pallas"), x.dtype, act)
+        return expert_matmul(gated, w_down, idx[0], impl="pallas").reshape(1, k, -1)
     n = t * k
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -105,24 +112,24 @@ def _grouped(x, idx, w_gate_up, w_down):
     groups = min(w_gate_up.shape[0], n)
     expert = jnp.full((groups,), -1, jnp.int32).at[group].set(by_expert.astype(jnp.int32))
     rows = jnp.zeros((groups, t, x.shape[1]), x.dtype).at[group, slot].set(jnp.take(x, order // k, axis=0))
-    act = _swiglu_act(expert_matmul(rows, w_gate_up, expert, impl="pallas"), x.dtype)
-    y = expert_matmul(act, w_down, expert, impl="pallas")
+    gated = _gated_act(expert_matmul(rows, w_gate_up, expert, impl="pallas"), x.dtype, act)
+    y = expert_matmul(gated, w_down, expert, impl="pallas")
     back = jnp.argsort(order)
     return y[group[back], slot[back]].reshape(t, k, -1)
 
 
-def _gather(x, idx, w_gate_up, w_down):
+def _gather(x, idx, w_gate_up, w_down, act):
     """Per-(token, expert) outputs `[T, k, H]` float32 from each token's k gathered expert matrices."""
     up = jnp.take(w_gate_up, idx, axis=0)  # [T, k, H, 2I]
     h = jnp.einsum("th,tkhi->tki", x, up, precision=exact(x, up), preferred_element_type=jnp.float32)
-    act = _swiglu_act(h, x.dtype)
+    gated = _gated_act(h, x.dtype, act)
     down = jnp.take(w_down, idx, axis=0)  # [T, k, I, H]
-    return jnp.einsum("tki,tkih->tkh", act, down, precision=exact(act, down), preferred_element_type=jnp.float32)
+    return jnp.einsum("tki,tkih->tkh", gated, down, precision=exact(gated, down), preferred_element_type=jnp.float32)
 
 
-def _swiglu_act(h, dtype):
+def _gated_act(h, dtype, act):
     gate, up = jnp.split(h.astype(dtype), 2, axis=-1)
-    return jax.nn.silu(gate) * up
+    return act(gate) * up
 
 
 def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool, impl: str) -> jax.Array:
@@ -200,4 +207,5 @@ def _check_block(x, params, impl) -> None:
                          f"{params['shared_gate'].shape} do not fit H = {h}; expected [{h}, 2Is], [Is, {h}], [{h}, 1].")
 
 
-__all__ = ["GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block", "route"]
+__all__ = ["ACTIVATIONS", "GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block",
+           "route"]
