@@ -159,7 +159,8 @@ def drafter_part(target, drafter, args, counter) -> list:
                     "lossless": all(r["lossless"] for r in rec["fused"]) and rec["real_drafter"]["lossless"],
                     "no_recompile": rec["no_recompile"]})
                 print(f"drafter {precision:5s} b={batch}: draft {cells[-1]['draft_s'] * 1e3:.3f} ms, round/plain "
-                      f"{rec['round_over_plain_step']:.3f}, speedup at tau {run['tau']} {run['speedup']:.2f}x", flush=True)
+                      f"{rec['round_over_plain_step']:.3f}, speedup at tau {run['tau']} {run['speedup']:.2f}x",
+                      flush=True)
         del d
     return cells
 
