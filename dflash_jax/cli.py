@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Mapping, Optional
 
-from dflash_jax import train
+from dflash_jax import quant, train
 from dflash_jax.config import (
     HARVESTS,
     CheckpointError,
@@ -19,7 +19,6 @@ from dflash_jax.config import (
     is_vision_tensor,
     policy,
 )
-from dflash_jax import quant
 from dflash_jax.demo import DEMO_DRAFTERS
 from dflash_jax.io import checkpoints
 from dflash_jax.io.safetensors import read_config

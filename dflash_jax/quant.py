@@ -38,7 +38,7 @@ ROLES = {
 }
 """The weight leaves a precision may quantise (by leaf name; 2-D only) and the group each belongs to."""
 
-_ROWS_PER_CHUNK = 1 << 24
+_VALUES_PER_CHUNK = 1 << 24
 """Values encoded at a time on the host (a column slice of a weight), to bound the temporaries."""
 
 
@@ -121,8 +121,8 @@ def _inverse(d, xp):
 
 def encode(w, fmt: str, xp=np) -> tuple:
     """`(data, scales)` of a float `[K, N]` weight in `fmt` (`quant_matmul`'s layouts), computed in float32 as the
-    original computes it, step by step. `xp` is numpy (the host, exact) or jax.numpy (under `jit`, where XLA may
-    fuse a product and a sum into one rounding)."""
+    original computes it, step by step. `xp` is numpy (the host, exact) or jax.numpy (under `jit`, for benchmarks:
+    XLA may rewrite the arithmetic, a division into a product by the reciprocal, so a last bit can differ)."""
     v = w.astype(xp.float32)
     k, n = v.shape
     if fmt == "int8":
@@ -143,7 +143,7 @@ def encode(w, fmt: str, xp=np) -> tuple:
 
 def _encode_host(w: np.ndarray, fmt: str) -> tuple:
     """`encode` on the host, a slice of columns at a time (the blocks run down the rows)."""
-    step = max(1, _ROWS_PER_CHUNK // max(1, w.shape[0]))
+    step = max(1, _VALUES_PER_CHUNK // max(1, w.shape[0]))
     parts = [encode(w[:, i:i + step], fmt) for i in range(0, w.shape[1], step)]
     return tuple(np.concatenate(p, axis=1) for p in zip(*parts))
 
@@ -172,19 +172,15 @@ def quantize_array(w, fmt: str, dtype=None, path: str = "weight", xp=np) -> QWei
 
 _encode_jit = jax.jit(lambda w, fmt: encode(w, fmt, jnp), static_argnums=1)
 
-PACKED_DTYPES = {"int8": ("int8", "float32"), "q8_0": ("int8", "float16"), "q4_0": ("uint8", "float16")}
-"""(values, scales) dtypes of each format."""
-
-
 def from_packed(data, scales, fmt: str, dtype) -> QWeight:
     """A `QWeight` over packed `data` and `scales` (as saved), refused unless they are one `fmt` weight."""
     k = data.shape[0] * (2 if fmt == "q4_0" else 1)
     shape = (int(k), int(data.shape[1]))
     dtypes = (str(data.dtype), str(scales.dtype))
-    if fmt not in PACKED_DTYPES or dtypes != PACKED_DTYPES[fmt] or \
+    if fmt not in qmm.PACKED_DTYPES or dtypes != qmm.PACKED_DTYPES[fmt] or \
             qmm.packed_shapes(shape, fmt) != (tuple(data.shape), tuple(scales.shape)):
         raise ValueError(f"packed values {tuple(data.shape)} {dtypes[0]} and scales {tuple(scales.shape)} {dtypes[1]} "
-                         f"are not one {fmt} weight (expected {PACKED_DTYPES.get(fmt)})")
+                         f"are not one {fmt} weight (expected {qmm.PACKED_DTYPES.get(fmt)})")
     return QWeight(jnp.asarray(data), jnp.asarray(scales), fmt, shape, jnp.dtype(dtype))
 
 

@@ -42,6 +42,8 @@ FORMATS = ("int8", "q8_0", "q4_0")
 BLOCK = 32
 """Values per block of the block formats (q8_0, q4_0): one float16 scale each."""
 IMPLS = ("xla", "pallas")
+PACKED_DTYPES = {"int8": ("int8", "float32"), "q8_0": ("int8", "float16"), "q4_0": ("uint8", "float16")}
+"""(values, scales) dtypes of each format."""
 
 # The impl a quantised product uses on a GPU. The reference until bench/quant.py has timed the kernel on the
 # H200 (it lowers to Triton here, and matches the reference in interpret mode, but has not run on a GPU yet).
@@ -116,10 +118,10 @@ def _check_inputs(x, data, scales, fmt, impl) -> None:
         raise ValueError(f"quant_matmul: fmt={fmt!r} is not a weight format; choose one of {FORMATS}.")
     if impl not in IMPLS:
         raise ValueError(f"quant_matmul: impl={impl!r} is not supported; choose one of {IMPLS}.")
-    want = {"int8": (jnp.int8, jnp.float32), "q8_0": (jnp.int8, jnp.float16), "q4_0": (jnp.uint8, jnp.float16)}[fmt]
-    if (data.dtype, scales.dtype) != tuple(jnp.dtype(d) for d in want):
-        raise ValueError(f"quant_matmul: {fmt} holds data {jnp.dtype(want[0]).name} and scales "
-                         f"{jnp.dtype(want[1]).name}; got {data.dtype} and {scales.dtype}.")
+    want = PACKED_DTYPES[fmt]
+    if (str(data.dtype), str(scales.dtype)) != want:
+        raise ValueError(f"quant_matmul: {fmt} holds data {want[0]} and scales {want[1]}; got {data.dtype} and "
+                         f"{scales.dtype}.")
     if data.ndim != 2 or scales.ndim != 2:
         raise ValueError(f"quant_matmul: data {data.shape} and scales {scales.shape} must both be 2-D.")
     k = data.shape[0] * (2 if fmt == "q4_0" else 1)

@@ -257,8 +257,8 @@ def test_kernel_lowers_to_triton_for_cuda():
         for m, k, n in ((1, 4096, 6144), (16, 12288, 4096)):
             data_shape, scale_shape = qmm.packed_shapes((k, n), fmt)
             args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                    jax.ShapeDtypeStruct(data_shape, jnp.dtype(quant.PACKED_DTYPES[fmt][0])),
-                    jax.ShapeDtypeStruct(scale_shape, jnp.dtype(quant.PACKED_DTYPES[fmt][1])))
+                    jax.ShapeDtypeStruct(data_shape, jnp.dtype(qmm.PACKED_DTYPES[fmt][0])),
+                    jax.ShapeDtypeStruct(scale_shape, jnp.dtype(qmm.PACKED_DTYPES[fmt][1])))
             fn = jax.jit(lambda a, d, s: qmm.quant_matmul(a, d, s, fmt, impl="pallas"))
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("__gpu$xla.gpu.triton") == 1, f"{fmt} rows {m}: no Triton call"

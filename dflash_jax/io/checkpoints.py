@@ -11,6 +11,7 @@ import os
 import warnings
 from typing import Callable, Mapping, Optional
 
+from dflash_jax import quant
 from dflash_jax.config import (
     FAMILY_NAMES,
     CheckpointError,
@@ -30,7 +31,6 @@ from dflash_jax.config import policy
 from dflash_jax.drafters import dflash, dflash2, dflash2_names, dflash_names, dspark, dspark_names
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.io import names, publish
-from dflash_jax import quant
 from dflash_jax.io.safetensors import (
     check_float_tensors,
     check_packed_tensors,

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dflash_jax import quant
-from pallas_kernels.quant_matmul import packed_shapes
+from pallas_kernels.quant_matmul import PACKED_DTYPES, packed_shapes
 
 SCALE_SUFFIX = "_scale"
 """The scales of quantised tensor NAME are stored as NAME + SCALE_SUFFIX."""
@@ -121,7 +121,7 @@ def packed_dtypes(names: Sequence[Param], formats: dict) -> dict:
     out = {}
     for p in names:
         if p.path in formats:
-            values, scales = quant.PACKED_DTYPES[formats[p.path]]
+            values, scales = PACKED_DTYPES[formats[p.path]]
             out.update({n: values for n in p.names()})
             out.update({n + SCALE_SUFFIX: scales for n in p.names()})
     return out
