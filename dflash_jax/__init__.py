@@ -13,6 +13,7 @@ from dflash_jax.decoding.speculative import Injected
 from dflash_jax.demo import Demo, load_demo
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.hub import HubError
+from dflash_jax.quant import quantize
 from dflash_jax.sampling import Sampling
 from dflash_jax.targets.base import Target
 from dflash_jax.text import StreamChunk, TextResult, Tokenizer, generate_text, load_tokenizer, stream
@@ -22,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Burst", "CheckpointError", "Demo", "Drafter", "DrafterConfig", "HubError", "Injected", "Proposal", "Result",
     "Sampling", "Session", "Stats", "StreamChunk", "Target", "TargetConfig", "TextResult", "Tokenizer", "generate",
-    "generate_text", "load_demo", "load_drafter", "load_target", "load_tokenizer", "propose", "stream",
+    "generate_text", "load_demo", "load_drafter", "load_target", "load_tokenizer", "propose", "quantize", "stream",
 ]

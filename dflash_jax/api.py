@@ -33,29 +33,33 @@ def source_folder(target: Target) -> Optional[str]:
     return _FOLDERS.get(id(target))
 
 
-def load_target(path, dtype=None, *, check_finite: bool = True, revision: Optional[str] = None) -> Target:
+def load_target(path, dtype=None, *, check_finite: bool = True, revision: Optional[str] = None,
+                precision: Optional[str] = None) -> Target:
     """A Hugging Face Qwen3/Llama folder or repo id ("Qwen/Qwen3-8B", at `revision`, through the local
     Hugging Face cache: see `hub.resolve`) as a `Target`; `dtype=None` keeps the checkpoint's.
 
-    `check_finite=False` skips refusing weights that hold NaN or Inf (one pass over each tensor)."""
+    `check_finite=False` skips refusing weights that hold NaN or Inf (one pass over each tensor).
+    `precision` quantises the weights as they load (`config.policy.PRECISIONS`; keyword > DFLASH_TARGET_PREC >
+    as saved, bf16 for a float checkpoint). A quantised target changes the output: it is its own oracle."""
     folder = hub.resolve(path, revision=revision, what="target")
-    target = checkpoints.read_target(folder, dtype, check_finite)
+    target = checkpoints.read_target(folder, dtype, check_finite, precision)
     _FOLDERS[id(target)] = folder
     weakref.finalize(target, _FOLDERS.pop, id(target), None)
     return target
 
 
 def load_drafter(path, target: Target | None = None, dtype=None, *, check_finite: bool = True,
-                 revision: Optional[str] = None, **overrides) -> Drafter:
+                 revision: Optional[str] = None, precision: Optional[str] = None, **overrides) -> Drafter:
     """A drafter folder or repo id (z-lab `DFlashDraftModel`, `DSparkDraftModel`; ids as for
     `load_target`) as a `Drafter`, checked against `target` when given.
 
     With a target the drafter computes in the target's dtype: `dtype=None` casts it, another dtype is
-    refused naming both. `check_finite` as for `load_target`. `overrides` set census fields by name
-    (e.g. `block_size=8`, `harvest="dflash"`)."""
+    refused naming both. `check_finite` as for `load_target`. `precision` quantises the weights as they load
+    (keyword > DFLASH_PREC > as saved); the target still decides every token, so the output does not change.
+    `overrides` set census fields by name (e.g. `block_size=8`, `harvest="dflash"`)."""
     folder = hub.resolve(path, revision=revision, what="drafter")
     return checkpoints.read_drafter(folder, target.config if target is not None else None, dtype,
-                                    check_finite=check_finite, **overrides)
+                                    check_finite=check_finite, precision=precision, **overrides)
 
 
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Mapping, Optional
 
-from dflash_jax import train
+from dflash_jax import quant, train
 from dflash_jax.config import (
     HARVESTS,
     CheckpointError,
@@ -27,6 +27,7 @@ from dflash_jax.io.safetensors import read_config
 from dflash_jax.train.cli import REFUSALS, refuse
 
 _DRAFTER_MARKERS = ("DFlash", "DSpark", "Draft")
+PRECISION_CHOICES = [*policy.PRECISIONS, *policy.PRECISION_ALIASES]
 
 
 def is_drafter_config(config: dict) -> bool:
@@ -154,17 +155,30 @@ def describe_drafter(cfg: DrafterConfig, config: Optional[Mapping] = None) -> li
     return lines
 
 
+def describe_precision(path, config: Mapping, cfg, family, precision: Optional[str], target: bool) -> list:
+    """Lines `inspect` prints for the weight precision a load would take, group by group (`quant.describe`)."""
+    value, stored, source = checkpoints.load_precision(path, config, precision, None, target)
+    where = {"keyword": "--precision", "census": "as saved"}.get(source, source)
+    lines = [f"precision: {value} ({where}; the checkpoint holds {'float weights' if stored == 'bf16' else stored})"]
+    lines += [f"  {line}" for line in quant.describe(family.param_shapes(cfg), value)]
+    if target and cfg.tie_word_embeddings:
+        lines.append("  lm head: the tied embedding table, float (kept: it is also read by gather)")
+    return lines
+
+
 def cmd_inspect(args) -> int:
     """Print the census of a target or drafter directory."""
     config = read_config(args.dir)
     if not is_drafter_config(config):
         cfg, infos = checkpoints.inspect_target(args.dir)
-        print("\n".join(describe_target(cfg, infos)))
+        print("\n".join(describe_target(cfg, infos) + describe_precision(
+            args.dir, config, cfg, checkpoints.target_family(cfg), args.precision, True)))
         return 0
     target = checkpoints.inspect_target(args.target)[0] if args.target else None
     overrides = {k: v for k, v in (("harvest", args.harvest), ("block_size", args.block_size)) if v is not None}
     cfg, _ = checkpoints.inspect_drafter(args.dir, target, **overrides)
-    print("\n".join(describe_drafter(cfg, config)))
+    print("\n".join(describe_drafter(cfg, config) + describe_precision(
+        args.dir, config, cfg, checkpoints.drafter_family(cfg), args.precision, False)))
     return 0
 
 
@@ -174,6 +188,9 @@ def _add_inspect(sub) -> None:
     p.add_argument("--target", help="target directory to check a drafter against")
     p.add_argument("--harvest", choices=HARVESTS, help="override the census harvest")
     p.add_argument("--block-size", type=int, help="override the drafter block size")
+    p.add_argument("--precision", choices=PRECISION_CHOICES,
+                   help="the weight precision to show (default: DFLASH_PREC for a drafter, DFLASH_TARGET_PREC for a "
+                        "target, else as saved)")
     p.set_defaults(func=cmd_inspect)
 
 
@@ -235,12 +252,13 @@ def _load_pair(args) -> tuple:
 
     overrides = {"block_size": args.block_size} if args.block_size is not None else {}
     if args.target is None:
-        demo = dflash_jax.load_demo(args.dtype or "float32", drafter=args.demo_drafter, **overrides)
+        demo = dflash_jax.load_demo(args.dtype or "float32", drafter=args.demo_drafter, precision=args.precision,
+                                    target_precision=args.target_precision, **overrides)
         tokenizer, target, drafter = demo.tokenizer, demo.target, demo.drafter
     else:
-        target = dflash_jax.load_target(args.target, args.dtype)
+        target = dflash_jax.load_target(args.target, args.dtype, precision=args.target_precision)
         tokenizer = dflash_jax.load_tokenizer(source_folder(target))
-        drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, **overrides)
+        drafter = dflash_jax.load_drafter(args.drafter, target, args.dtype, precision=args.precision, **overrides)
     return tokenizer, target, drafter, _stop_tokens(target, tokenizer)
 
 
@@ -296,11 +314,17 @@ def cmd_generate(args) -> int:
     sys.stdout.flush()
     st = chunk.stats
     print(f"[speculative] {st.generated} tokens in {st.rounds} rounds, acceptance length {st.acceptance_length:.2f} "
-          f"(block size {drafter.config.block_size})", file=sys.stderr)
+          f"(block size {drafter.config.block_size}{_precision_note(target, drafter)})", file=sys.stderr)
     print(timing_line("speculative", st, f"load {load_s:.2f} s, compile {compile_s:.2f} s, "), file=sys.stderr)
     if args.compare:
         return _compare(target, drafter, ids, args.max_new_tokens, stops, sampling)
     return 0
+
+
+def _precision_note(target, drafter) -> str:
+    """", drafter q8_0, target int8": the precision of each quantised model (nothing when neither is)."""
+    held = [(name, quant.precision_of(m.params)) for name, m in (("drafter", drafter), ("target", target))]
+    return "".join(f", {name} {p}" for name, p in held if p != "bf16")
 
 
 def _compare(target, drafter, ids, max_new_tokens: int, stops, sampling) -> int:
@@ -341,6 +365,10 @@ def _add_pair_args(p) -> None:
     p.add_argument("--demo-drafter", default="dflash", choices=list(DEMO_DRAFTERS),
                    help="which bundled drafter to use with the demo target (default dflash)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weight dtype (default: the checkpoint's)")
+    p.add_argument("--precision", choices=PRECISION_CHOICES,
+                   help="drafter weight precision (default: DFLASH_PREC, else as saved); the output does not change")
+    p.add_argument("--target-precision", choices=PRECISION_CHOICES,
+                   help="target weight precision (default: DFLASH_TARGET_PREC, else as saved); it changes the output")
 
 
 def _add_generate(sub) -> None:
@@ -363,7 +391,8 @@ def cmd_bench(args) -> int:
     sampling = _sampling(args)
     tokenizer, target, drafter, stops = _load_pair(args)
     settings = {"target": args.target or "demo", "drafter": args.drafter or f"demo {args.demo_drafter}",
-                "max_samples": args.max_samples, "seed": args.seed, "dtype": target.config.dtype}
+                "max_samples": args.max_samples, "seed": args.seed, "dtype": target.config.dtype,
+                "precision": quant.precision_of(drafter.params), "target_precision": quant.precision_of(target.params)}
     report = benchmark.run_bench(target, drafter, tokenizer, rows, dataset=args.dataset, chat=args.chat,
                                  max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling,
                                  settings=settings)

@@ -167,6 +167,24 @@ def attention_impl(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]]
     return resolve_choice("attention", kwarg, default, ATTENTION_IMPLS, env)
 
 
+PRECISIONS = ("bf16", "int8", "q8_0", "q4_0", "mixed")
+"""Weight precisions (docs/architecture.md, "Weight precision"): bf16 quantises nothing (the weights keep the load
+dtype); int8 is int8 with one scale per output channel; q8_0 and q4_0 are the original's block formats; mixed is
+the original's split (the MLP at q8_0, the rest kept)."""
+PRECISION_ALIASES = {"int4": "q4_0"}
+"""Other names of a precision: int4 (the original's `q4`, DESIGN's `int4`) is q4_0, the one 4-bit format."""
+
+
+def precision(kwarg: Optional[str], env: Optional[Mapping[str, str]] = os.environ, target: bool = False,
+              default: str = "bf16") -> tuple:
+    """A model's weight precision and who decided it, `(value, source)`: keyword > DFLASH_PREC (drafters; the
+    original's variable) or DFLASH_TARGET_PREC (targets: a quantised target changes the output) > `default`
+    (bf16, or the precision a quantised checkpoint was saved in). Aliases resolve to their precision."""
+    name, key = ("target_precision", "target_prec") if target else ("precision", "prec")
+    value, source = resolution(name, kwarg, default, PRECISIONS + tuple(PRECISION_ALIASES), env, env_key=key)
+    return PRECISION_ALIASES.get(value, value), source
+
+
 VERIFY_POLICIES = ("ladder", "confidence", "confidence-slot")
 SWITCHES = ("0", "1")
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import quant
 from dflash_jax import sampling as smp
 from dflash_jax.cache import write_rows
 from dflash_jax.drafters.base import Drafter
@@ -151,8 +152,8 @@ def _cut_rows(prompts, lengths) -> list:
 def check_dtypes(target: Target, drafter: Drafter) -> None:
     """Refuse a drafter whose weights are not in its target's dtype, the dtype of `target.embed` (it computes
     on the target's embeddings and hidden states, so both share one), naming both and the fix."""
-    held = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(drafter.params) if jnp.issubdtype(leaf.dtype,
-                                                                                                 jnp.floating)})
+    leaves = jax.tree.leaves(drafter.params, is_leaf=quant.is_quantized)  # a quantised weight: the dtype it computes in
+    held = sorted({str(leaf.dtype) for leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.floating)})
     computes = str(jax.eval_shape(target.embed, jax.ShapeDtypeStruct((1, 1), jnp.int32)).dtype)
     if held != [computes]:
         raise ValueError(f"the drafter's weights are {', '.join(held)} and the target computes in "

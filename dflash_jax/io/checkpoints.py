@@ -11,6 +11,7 @@ import os
 import warnings
 from typing import Callable, Mapping, Optional
 
+from dflash_jax import quant
 from dflash_jax.config import (
     FAMILY_NAMES,
     CheckpointError,
@@ -26,11 +27,14 @@ from dflash_jax.config import (
     target_to_hf_config,
 )
 from dflash_jax.config import drafter_census as config_drafter_census
+from dflash_jax.config import policy
 from dflash_jax.drafters import dflash, dflash2, dflash2_names, dflash_names, dspark, dspark_names
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.io import names, publish
 from dflash_jax.io.safetensors import (
     check_float_tensors,
+    check_packed_tensors,
+    config_file,
     load_dtype,
     naming_config,
     read_config,
@@ -57,9 +61,20 @@ class Family:
         """The params pytree of `cfg` with shape tuples as leaves."""
         return names.shape_tree(self.shapes(cfg))
 
-    def hf_shapes(self, cfg) -> dict:
-        """Hugging Face name -> shape a checkpoint of `cfg` holds."""
-        return names.hf_shapes(self.name_map(cfg), self.param_shapes(cfg))
+    def formats(self, cfg, precision: str) -> dict:
+        """`{path: format}` of the leaves `precision` quantises (`quant.plan`)."""
+        return quant.plan(self.param_shapes(cfg), precision)
+
+    def hf_shapes(self, cfg, stored: str = "bf16") -> dict:
+        """Hugging Face name -> shape a checkpoint of `cfg` holds, saved at precision `stored`."""
+        return names.hf_shapes(self.name_map(cfg), self.param_shapes(cfg), self.formats(cfg, stored))
+
+    def check_dtypes(self, cfg, infos: Mapping, stored: str) -> None:
+        """Refuse tensors stored in a dtype their place does not take: floats, or the packed dtypes of the
+        leaves a checkpoint saved at `stored` holds quantised."""
+        packed = names.packed_dtypes(self.name_map(cfg), self.formats(cfg, stored))
+        check_float_tensors(infos, [n for n in self.hf_shapes(cfg, stored) if n not in packed])
+        check_packed_tensors(infos, packed)
 
     def check(self, cfg, params) -> None:
         """Refuse `params` whose tree or shapes differ from the module's, naming the leaves."""
@@ -71,11 +86,14 @@ class Family:
         self.check(cfg, params)
         return self.cls(cfg, params)
 
-    def read(self, cfg, infos: Mapping, dtype: str, check_finite: bool = True):
+    def read(self, cfg, infos: Mapping, dtype: str, check_finite: bool = True, precision: str = "bf16",
+             stored: str = "bf16"):
         """The interface object over the checkpoint's tensors `infos`, read one at a time in `dtype`
-        (each refused if it holds NaN or Inf, with `check_finite`)."""
+        (each refused if it holds NaN or Inf, with `check_finite`), its weights at `precision`: read packed
+        from a checkpoint saved quantised (`stored`, which must then be `precision`), else quantised here."""
         with tensor_reader(infos, dtype, check_finite) as get:
-            return self.make(cfg, names.load_params(self.name_map(cfg), get))
+            return self.make(cfg, names.load_params(self.name_map(cfg), get, self.formats(cfg, precision),
+                                                    stored != "bf16", dtype))
 
     def write(self, path, model, config: Mapping, dtype: str, shard_bytes: Optional[int]) -> None:
         """`config.json` and the tensors of `model` (a Target or Drafter of this family) under `path`."""
@@ -107,6 +125,30 @@ def drafter_family(cfg: DrafterConfig) -> Family:
     return DRAFTER_FAMILIES[cfg.family]
 
 
+def stored_precision(config: Mapping, where="config.json") -> str:
+    """The precision a checkpoint was saved in (`dflash_jax.precision` of its config.json), bf16 when absent."""
+    section = config.get("dflash_jax")
+    value = section.get("precision", "bf16") if isinstance(section, dict) else "bf16"
+    if value not in policy.PRECISIONS:
+        raise CheckpointError(f"{where}: dflash_jax.precision is {value!r}; expected one of "
+                              f"{', '.join(policy.PRECISIONS)} (the precision the checkpoint was saved in)")
+    return value
+
+
+def load_precision(path, config: Mapping, precision: Optional[str], env, target: bool) -> tuple:
+    """`(precision to load at, precision saved in, who decided)`: keyword > environment > the saved one
+    (`policy.precision`). A checkpoint saved quantised loads only at its own precision: packed weights are not
+    requantised."""
+    stored = stored_precision(config, config_file(path))
+    value, source = policy.precision(precision, env, target=target, default=stored)
+    if stored != "bf16" and value != stored:
+        who = "the precision keyword" if source == "keyword" else source
+        raise CheckpointError(f"{path} was saved quantised at {stored}; {who} asks for {value}, but a checkpoint "
+                              "saved quantised loads only at its own precision (quantising packed weights again "
+                              f"would round them twice). Load the float checkpoint to get {value}")
+    return value, stored, source
+
+
 def make_target(cfg: TargetConfig, params) -> Target:
     """The Target of `cfg`'s family over `params` (checked against the module's shapes)."""
     return target_family(cfg).make(cfg, params)
@@ -121,9 +163,9 @@ def make_drafter(cfg: DrafterConfig, params) -> Drafter:
 # Target.
 
 
-def target_tensor_shapes(cfg: TargetConfig) -> dict:
-    """Hugging Face tensor name -> shape (`[out, in]`) that a checkpoint of `cfg` must hold."""
-    return target_family(cfg).hf_shapes(cfg)
+def target_tensor_shapes(cfg: TargetConfig, stored: str = "bf16") -> dict:
+    """Hugging Face tensor name -> shape (`[out, in]`) that a checkpoint of `cfg` saved at `stored` must hold."""
+    return target_family(cfg).hf_shapes(cfg, stored)
 
 
 def inspect_target(path) -> tuple:
@@ -136,24 +178,27 @@ def inspect_target(path) -> tuple:
     if isinstance(cfg, HybridConfig) and any(n.endswith("mlp.experts.gate_up_proj") for n in infos):
         cfg = dataclasses.replace(cfg, expert_layout="fused")
     found = {n: i.shape for n, i in infos.items() if not is_ignorable_target_tensor(n, cfg)}
-    expected = target_tensor_shapes(cfg)
+    stored = stored_precision(config, config_file(path))
+    expected = target_tensor_shapes(cfg, stored)
     extra = check_tensor_shapes(expected, found, f"{path}")
     if extra:
         raise CheckpointError(
             f"{path}: unexpected tensor(s) {extra[:8]}: not part of a {cfg.arch} target with this config"
         )
-    check_float_tensors(infos, expected)
+    target_family(cfg).check_dtypes(cfg, infos, stored)
     return cfg, infos
 
 
-def read_target(path, dtype=None, check_finite: bool = True) -> Target:
-    """A Qwen3ForCausalLM / LlamaForCausalLM directory as a Target.
+def read_target(path, dtype=None, check_finite: bool = True, precision: Optional[str] = None, env=None) -> Target:
+    """A supported target directory (`TARGET_FAMILIES`) as a Target.
 
     dtype None keeps the checkpoint's dtype (its config's, else the embedding's; float64 is read as
     float32); params are converted tensor by tensor and `config.dtype` records the dtype they hold.
-    `check_finite` refuses a tensor holding NaN or Inf in that dtype.
+    `check_finite` refuses a tensor holding NaN or Inf in that dtype. `precision` (`load_precision`:
+    keyword > DFLASH_TARGET_PREC > as saved) quantises the weights as they are read.
     """
     cfg, infos = inspect_target(path)
+    precision, stored, _ = load_precision(path, read_config(path), precision, env, target=True)
     what, prefixes = skipped_towers(cfg)
     towers = sum(name.startswith(prefixes) for name in infos)
     if towers:
@@ -162,7 +207,7 @@ def read_target(path, dtype=None, check_finite: bool = True) -> Target:
     with naming_config(path):
         dtype = load_dtype(dtype, read_config(path), infos, cfg.text_prefix + "embed_tokens.weight")
     cfg = dataclasses.replace(cfg, dtype=dtype)
-    return target_family(cfg).read(cfg, infos, dtype, check_finite)
+    return target_family(cfg).read(cfg, infos, dtype, check_finite, precision, stored)
 
 
 def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[int] = None, *,
@@ -171,11 +216,16 @@ def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[i
 
     Published whole (`io/publish.py`): a non-empty `path` is refused unless `overwrite`, which
     replaces its whole contents; an interrupted write leaves the old folder as it was. A causal LM is
-    what is written, so the text model of a multimodal checkpoint lands under `model.`.
+    what is written, so the text model of a multimodal checkpoint lands under `model.`. Quantised weights
+    are written packed (`io/names.py`), and `dflash_jax.precision` in config.json records the precision
+    (transformers cannot read such a checkpoint; `read_target` reads it back to the same params).
     """
     dtype = dtype_name(dtype)
     target = target.replace(config=dataclasses.replace(target.config, text_prefix="model."))
     config = target_to_hf_config(dataclasses.replace(target.config, dtype=dtype))
+    precision = quant.precision_of(target.params)
+    if precision != "bf16":
+        config["dflash_jax"] = {"precision": precision}
     with publish.staged(path, overwrite) as folder:
         target_family(target.config).write(folder, target, config, dtype, shard_bytes)
 
@@ -183,10 +233,10 @@ def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[i
 # ---------------------------------------------------------------------------------------
 # Drafter.
 
-def drafter_tensor_shapes(cfg: DrafterConfig) -> dict:
-    """Hugging Face tensor name -> shape that a drafter checkpoint of `cfg` must hold (no `model.` prefix),
-    from the family's name map."""
-    return drafter_family(cfg).hf_shapes(cfg)
+def drafter_tensor_shapes(cfg: DrafterConfig, stored: str = "bf16") -> dict:
+    """Hugging Face tensor name -> shape that a drafter checkpoint of `cfg` saved at `stored` must hold (no
+    `model.` prefix), from the family's name map."""
+    return drafter_family(cfg).hf_shapes(cfg, stored)
 
 
 def drafter_census(d: Mapping, tensor_shapes: Optional[Mapping] = None, target: Optional[TargetConfig] = None, *,
@@ -197,14 +247,14 @@ def drafter_census(d: Mapping, tensor_shapes: Optional[Mapping] = None, target: 
     (recorded in `warnings`) and refused for DSpark/DFlash2, as in the original.
     """
     cfg = config_drafter_census(d, tensor_shapes, target, env=env, **overrides)
-    return cfg if tensor_shapes is None else _check_drafter_tensors(cfg, tensor_shapes)
+    return cfg if tensor_shapes is None else _check_drafter_tensors(cfg, tensor_shapes, stored_precision(d))
 
 
-def _check_drafter_tensors(cfg: DrafterConfig, tensor_shapes: Mapping) -> DrafterConfig:
-    """`cfg`, after checking every tensor against its family (see `drafter_census`)."""
+def _check_drafter_tensors(cfg: DrafterConfig, tensor_shapes: Mapping, stored: str) -> DrafterConfig:
+    """`cfg`, after checking every tensor against its family, saved at precision `stored` (see `drafter_census`)."""
     what = f"{FAMILY_NAMES[cfg.family]} drafter checkpoint"
     found = {n: tuple(int(s) for s in v) for n, v in tensor_shapes.items()}
-    extra = check_tensor_shapes(drafter_tensor_shapes(cfg), found, what)
+    extra = check_tensor_shapes(drafter_tensor_shapes(cfg, stored), found, what)
     if extra and cfg.family != "dflash":
         raise CheckpointError(f"{what} has unrecognized tensors {extra}; refusing (census is strict)")
     if extra:
@@ -220,21 +270,24 @@ def inspect_drafter(path, target_cfg: Optional[TargetConfig] = None, env=None, *
     shapes = {n: i.shape for n, i in infos.items()}
     with naming_config(path):
         cfg = config_drafter_census(config, shapes, target_cfg, env=env, **overrides)
-    cfg = _check_drafter_tensors(cfg, shapes)
-    check_float_tensors(infos, drafter_tensor_shapes(cfg))
+    stored = stored_precision(config, config_file(path))
+    cfg = _check_drafter_tensors(cfg, shapes, stored)
+    drafter_family(cfg).check_dtypes(cfg, infos, stored)
     return cfg, infos
 
 
 def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, env=None, check_finite: bool = True,
-                 **overrides) -> Drafter:
+                 precision: Optional[str] = None, **overrides) -> Drafter:
     """A drafter directory as a Drafter of its family, checked against `target_cfg` when given.
 
     Unknown tensors of a DFlash checkpoint are ignored with a warning (also in `config.warnings`). With a target, the
     drafter is computed in the target's dtype (it reads the target's hidden states and embeddings):
     `dtype=None` casts it to `target_cfg.dtype`, and another explicit dtype is refused naming both.
     Without one, `dtype=None` keeps the checkpoint's. `check_finite` refuses a tensor holding NaN or Inf.
+    `precision` (`load_precision`: keyword > DFLASH_PREC > as saved) quantises the weights as they are read.
     """
     cfg, infos = inspect_drafter(path, target_cfg, env=env, **overrides)
+    precision, stored, _ = load_precision(path, read_config(path), precision, env, target=False)
     family = drafter_family(cfg)
     for message in cfg.warnings:
         warnings.warn(f"{path}: {message}", stacklevel=2)
@@ -247,7 +300,7 @@ def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, en
         dtype = target_cfg.dtype
     with naming_config(path):
         dtype = load_dtype(dtype, read_config(path), infos, "fc.weight")
-    return family.read(cfg, infos, dtype, check_finite)
+    return family.read(cfg, infos, dtype, check_finite, precision, stored)
 
 
 TRAINED_FOR_FIELDS = ("name", "architecture", "hidden_size", "num_hidden_layers", "vocab_size")
@@ -271,7 +324,8 @@ def write_drafter(path, drafter: Drafter, dtype="bfloat16", shard_bytes: Optiona
     """Write a z-lab DFlashDraftModel directory that `read_drafter` reads back to the same config and params.
 
     `trained_for` (a `trained_for_record`) is kept in `config.json` under `dflash_jax`, a section
-    transformers and the reference ignore. Published whole, like `write_target`.
+    transformers and the reference ignore; so is the precision of a quantised drafter, whose weights are
+    written packed as `write_target` writes them. Published whole, like `write_target`.
     """
     with publish.staged(path, overwrite) as folder:
         fill_drafter_folder(folder, drafter, dtype, shard_bytes, trained_for=trained_for)
@@ -283,6 +337,10 @@ def fill_drafter_folder(folder, drafter: Drafter, dtype="bfloat16", shard_bytes:
     that holds more (a training run's periodic checkpoints beside its final drafter)."""
     dtype = dtype_name(dtype)
     config = {**drafter_to_hf_config(drafter.config), "torch_dtype": dtype}
-    if trained_for is not None:
-        config["dflash_jax"] = {"trained_for_target": dict(trained_for)}
+    section = {"trained_for_target": dict(trained_for)} if trained_for is not None else {}
+    precision = quant.precision_of(drafter.params)
+    if precision != "bf16":
+        section["precision"] = precision
+    if section:
+        config["dflash_jax"] = section
     drafter_family(drafter.config).write(folder, drafter, config, dtype, shard_bytes)

@@ -8,6 +8,12 @@ written by hand per family: the tensors a checkpoint must hold, loading, and wri
 Hugging Face stores linear weights `[out, in]`; our leaves store them `[in, out]` (the forward
 does `x @ W`), with fused projections (q|k|v, gate|up) concatenated along the last axis. This is
 the only place where layouts change.
+
+A quantised leaf (`quant.QWeight`) is stored as two tensors per Hugging Face name, both `[out, ...]` as
+the float tensor was: `NAME` holds the packed values (int8 `[out, in]`, or uint8 `[out, in/2]` for
+q4_0) and `NAME_scale` the scales (float16 `[out, in/32]` for the block formats, float32 `[out, 1]`
+for int8), compressed-tensors' naming. Packing runs along the input axis, so a fused leaf splits and
+joins along its output axis exactly as a float one.
 """
 from __future__ import annotations
 
@@ -18,6 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
+
+from dflash_jax import quant
+from pallas_kernels.quant_matmul import PACKED_DTYPES, packed_shapes
+
+SCALE_SUFFIX = "_scale"
+"""The scales of quantised tensor NAME are stored as NAME + SCALE_SUFFIX."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,29 +100,69 @@ def shape_tree(shapes) -> dict:
     return jax.tree.map(lambda s: tuple(s.shape), shapes)
 
 
-def hf_shapes(names: Sequence[Param], shapes) -> dict:
-    """Hugging Face name -> shape that a checkpoint must hold, from the map and the module's shapes."""
-    return {n: s for p in names for n, s in p.pieces(tuple(leaf(shapes, p.path)))}
+def hf_shapes(names: Sequence[Param], shapes, formats: Optional[dict] = None) -> dict:
+    """Hugging Face name -> shape that a checkpoint must hold, from the map and the module's shapes; the leaves
+    in `formats` (path -> format, a checkpoint saved quantised) as their packed values and scales."""
+    out = {}
+    for p in names:
+        shape = tuple(leaf(shapes, p.path))
+        if formats and p.path in formats:
+            data, scales = packed_shapes(shape, formats[p.path])
+            out.update(p.pieces(data))
+            out.update({n + SCALE_SUFFIX: s for n, s in p.pieces(scales)})
+        else:
+            out.update(p.pieces(shape))
+    return out
 
 
-def load_params(names: Sequence[Param], get: Callable) -> dict:
-    """Our pytree from `get(hf name) -> np.ndarray`, one leaf at a time, each moved to the device. A load
-    that takes over a second shows a progress bar on a terminal's stderr."""
+def packed_dtypes(names: Sequence[Param], formats: dict) -> dict:
+    """Hugging Face name -> numpy dtype name of every packed tensor (values and scales) of the leaves in
+    `formats` (path -> format), for a checkpoint saved quantised."""
+    out = {}
+    for p in names:
+        if p.path in formats:
+            values, scales = PACKED_DTYPES[formats[p.path]]
+            out.update({n: values for n in p.names()})
+            out.update({n + SCALE_SUFFIX: scales for n in p.names()})
+    return out
+
+
+def load_params(names: Sequence[Param], get: Callable, formats: Optional[dict] = None, stored: bool = False,
+                dtype=None) -> dict:
+    """Our pytree from `get(hf name, raw=False) -> np.ndarray`, one leaf at a time, each moved to the device.
+    The leaves in `formats` (path -> format) become `quant.QWeight`s computing in `dtype`: read packed
+    (`get(name, raw=True)`, as stored) when the checkpoint was saved quantised (`stored`), else quantised
+    here from the float values. A load that takes over a second shows a progress bar on a terminal's stderr."""
+    formats = formats or {}
     params: dict = {}
     with tqdm(total=sum(len(p.names()) for p in names), desc="loading weights", unit="tensor", delay=1.0,
               leave=False, disable=None) as bar:
         for p in names:
-            _set(params, p.path, jnp.asarray(p.assemble(get)))
+            fmt = formats.get(p.path)
+            if fmt is None:
+                value = jnp.asarray(p.assemble(get))
+            elif stored:
+                value = quant.from_packed(p.assemble(lambda n: get(n, raw=True)),
+                                          p.assemble(lambda n: get(n + SCALE_SUFFIX, raw=True)), fmt, dtype)
+            else:
+                value = quant.quantize_array(p.assemble(get), fmt, dtype, path="/".join(p.path))
+            _set(params, p.path, value)
             bar.update(len(p.names()))
     return params
 
 
 def hf_tensors(names: Sequence[Param], params, dtype) -> dict:
-    """Hugging Face name -> contiguous numpy array in `dtype`, the inverse of `load_params`."""
+    """Hugging Face name -> contiguous numpy array, float leaves in `dtype`, quantised ones as packed values and
+    scales (`SCALE_SUFFIX`): the inverse of `load_params`."""
     np_dtype = jnp.dtype(dtype)
     out = {}
     for p in names:
-        for name, part in p.split(np.asarray(leaf(params, p.path))):
+        x = leaf(params, p.path)
+        if isinstance(x, quant.QWeight):
+            out.update((n, np.ascontiguousarray(a)) for n, a in p.split(np.asarray(x.data)))
+            out.update((n + SCALE_SUFFIX, np.ascontiguousarray(a)) for n, a in p.split(np.asarray(x.scales)))
+            continue
+        for name, part in p.split(np.asarray(x)):
             out[name] = np.ascontiguousarray(part.astype(np_dtype))
     return out
 
@@ -120,7 +172,8 @@ def check_params(expected, params, what: str) -> None:
     name = jax.tree_util.keystr
     want = {name(k): s for k, s in jax.tree_util.tree_flatten_with_path(
         expected, is_leaf=lambda s: isinstance(s, tuple))[0]}
-    got = {name(k): tuple(np.shape(x)) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    got = {name(k): tuple(np.shape(x))
+           for k, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=quant.is_quantized)[0]}
     wrong = [f"{k}: {got.get(k, 'missing')} (expected {want.get(k, 'nothing')})"
              for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
     if wrong:

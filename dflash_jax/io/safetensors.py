@@ -157,11 +157,25 @@ def _count_non_finite(x: np.ndarray) -> int:
     return np.count_nonzero((x.view(np.uint16) & exponent) == exponent)
 
 
+PACKED_ST_DTYPES = {"int8": "I8", "uint8": "U8", "float16": "F16", "float32": "F32"}
+"""Safetensors dtypes of the packed values and scales of a checkpoint saved quantised (`io/names.py`)."""
+
+
+def check_packed_tensors(infos: Mapping, expected: Mapping) -> None:
+    """Refuse packed tensors (name -> numpy dtype name they must hold) stored in another dtype, naming each."""
+    bad = sorted(n for n, d in expected.items() if n in infos and infos[n].dtype != PACKED_ST_DTYPES[d])
+    if bad:
+        listed = "; ".join(f"{n} is {infos[n].dtype} in {infos[n].file}, expected {PACKED_ST_DTYPES[expected[n]]}"
+                           for n in bad[:8])
+        raise CheckpointError(f"{len(bad)} quantised tensor(s) stored in the wrong dtype for their format: {listed}")
+
+
 @contextlib.contextmanager
 def tensor_reader(infos: Mapping, dtype: str, check_finite: bool = True):
-    """`get(name) -> np.ndarray` in `dtype`, reading one tensor at a time from open shards.
+    """`get(name, raw=False) -> np.ndarray` in `dtype` (`raw`: as stored, for packed quantised tensors),
+    reading one tensor at a time from open shards.
 
-    With `check_finite`, a tensor holding NaN or Inf once in `dtype` (F32 values beyond float16's range
+    With `check_finite`, a float tensor holding NaN or Inf once in `dtype` (F32 values beyond float16's range
     become Inf) is refused, naming the file, the tensor and the count. F64 tensors are cast to `dtype`,
     with one warning for all of them when reading ends."""
     np_dtype = jnp.dtype(dtype)
@@ -169,19 +183,20 @@ def tensor_reader(infos: Mapping, dtype: str, check_finite: bool = True):
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in sorted({i.file for i in infos.values()})}
 
-        def get(name):
+        def get(name, raw: bool = False):
             info = infos[name]
             with np.errstate(over="ignore" if check_finite else "warn"):  # an overflow is refused below
-                x = handles[info.file].get_tensor(name).astype(np_dtype, copy=False)
+                x = handles[info.file].get_tensor(name)
+                x = x if raw else x.astype(np_dtype, copy=False)
             if info.dtype == "F64":
                 cast.append(name)
-            if check_finite:
+            if check_finite and info.dtype in ST_DTYPES:
                 bad = _count_non_finite(x)
                 if bad:
-                    stored = "" if ST_DTYPES[info.dtype] == dtype else f" (stored as {info.dtype})"
+                    stored = "" if str(x.dtype) == ST_DTYPES.get(info.dtype) else f" (stored as {info.dtype})"
                     raise CheckpointError(
                         f"{info.file}: tensor {name} has {bad} non-finite value(s) (NaN or Inf) of {x.size} in "
-                        f"{dtype}{stored}; such weights make every row emit garbage. Pass check_finite=False "
+                        f"{x.dtype}{stored}; such weights make every row emit garbage. Pass check_finite=False "
                         "to load it anyway")
             return x
 

@@ -1,7 +1,8 @@
 """Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU.
 
 All functions are pure over arrays; weights are stored `[in, out]` (converted by the name
-maps in `io/names.py`), so projections are `x @ W`, through `matmul` (full float32 for float32 models).
+maps in `io/names.py`), so projections are `x @ W`, through `matmul` (full float32 for float32 models; quantised
+weights through their dequantising product).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import quant
 from dflash_jax.config import RopeConfig
 from pallas_kernels.windowed_attention import block_attention
 
@@ -109,7 +111,10 @@ def exact(*arrays):
 
 
 def matmul(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
-    """`x @ w` at the precision `exact` gives (`kwargs` go to `jnp.matmul`, e.g. `preferred_element_type`)."""
+    """`x @ w` at the precision `exact` gives (`kwargs` go to `jnp.matmul`, e.g. `preferred_element_type`); a
+    quantised w (`quant.QWeight`) goes to its dequantising product. Every weight product of every family comes here."""
+    if quant.is_quantized(w):
+        return quant.matmul(x, w, **kwargs)
     return jnp.matmul(x, w, precision=exact(x, w), **kwargs)
 
 

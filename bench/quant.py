@@ -1,0 +1,293 @@
+"""Weight precision on the GPU (docs/architecture.md, "Weight precision"), in three parts:
+
+  kernel   `quant_matmul`: the Pallas kernel against the reference (XLA's fusion of dequantise + dot) and the
+           plain bf16 product, for every weight shape of the Qwen3-8B target and the z-lab drafter, at 1, 16 and
+           64 rows, per format: device time per call, the bytes it must read over the GEMV read bandwidth
+           measured in the same run, and the kernel's agreement with the reference
+  drafter  per drafter precision (`--precisions`), the round on the bf16 Qwen3-8B-shaped target at each batch
+           (default 1 and 16, prompt 512; `spec_round.measure_cell`): draft time per round, fused round over
+           plain step, speedup at injected acceptance 6.5, and that the output equals plain decoding's
+  target   plain decoding tokens/s of the target at each `--target-precisions` (default bf16 and int8) and batch
+           (`plain_decode.measure`), and each over bf16
+
+The drafter reads logits through the target's LM head, which stays bf16 unless the target is quantised.
+Quantised weights are encoded on the device (`quant.quantize_params(..., xp=jnp)`): speed does not depend on the
+values. Each run updates, in the results file, the cells of the parts it ran (keyed by precision and batch) and
+redraws the plot, so the parts can run as separate commands (each under the 10-minute limit on the H200):
+
+    python bench/quant.py --parts kernel target                  # H200
+    python bench/quant.py --parts drafter --precisions bf16 q8_0
+    python bench/quant.py --parts drafter --precisions q4_0 int8
+    python bench/quant.py --parts kernel --sweep                 # also time kernel tile settings
+    python bench/quant.py --tiny                                 # CPU smoke test of every part
+
+`--quant-impl` sets the quantised product of the drafter and target parts (`quant_matmul.GPU_DEFAULT_IMPL`);
+the other options are `spec_round.py`'s (`--batches`, `--prompts`, `--new`, `--reps`, `--out`, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import acceptance as acc
+import common
+import plain_decode
+import spec_round
+from dflash_jax import quant
+from dflash_jax.config import policy
+from pallas_kernels import quant_matmul as qmm
+
+PARTS = ("kernel", "drafter", "target")
+TOLERANCE = 2e-2  # kernel against reference, relative to the reference's largest magnitude (bf16 products)
+TAU = 6.5
+
+
+def weight_shapes(target_cfg, drafter_cfg) -> dict:
+    """Name -> `[in, out]` of every distinct weight a decode step or a round multiplies by."""
+    t, d = target_cfg, drafter_cfg
+    return {"wqkv": (t.hidden_size, t.q_width + 2 * t.kv_width), "wo": (t.q_width, t.hidden_size),
+            "w_gate_up": (t.hidden_size, 2 * t.intermediate_size), "w_down": (t.intermediate_size, t.hidden_size),
+            "lm_head": (t.hidden_size, t.vocab_size), "drafter_fc": (d.n_taps * d.hidden_size, d.hidden_size)}
+
+
+def per_call_us(fn, x, consts, iters: int, inner: int) -> float:
+    """Median device time of `fn(x, *consts)` per call, over `iters` samples of `inner` calls in one jitted loop.
+    Each call's input is scaled by a number taken from the previous output, so XLA cannot hoist it."""
+    def body(_, carry):
+        c, _ = carry
+        y = fn(x * (1 + c).astype(x.dtype), *consts)
+        return 1e-9 * y.reshape(-1)[0].astype(jnp.float32), y
+
+    out = jax.eval_shape(fn, x, *consts)
+    run = jax.jit(lambda c0: lax.fori_loop(0, inner, body, (c0, jnp.zeros(out.shape, out.dtype))))
+    zero = jnp.zeros((), jnp.float32)
+    jax.block_until_ready(run(zero))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(run(zero))
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times) / inner
+
+
+def _packed(key, shape: tuple, fmt: str):
+    w = jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[0])
+    q = quant.quantize_array(w, fmt, jnp.bfloat16, xp=jnp)
+    return w.astype(jnp.bfloat16), q
+
+
+def kernel_part(shapes: dict, rows: tuple, iters: int, inner: int, sweep: bool) -> dict:
+    """Per weight, format and row count: bf16, reference and kernel times, bytes, agreement."""
+    bandwidth = common.hbm_read_bandwidth(common.TINY_PROBE_GIB if jax.default_backend() != "gpu" else 4.0)
+    cells, key = [], jax.random.key(0)
+    for i, (name, shape) in enumerate(shapes.items()):
+        for j, fmt in enumerate(qmm.FORMATS):
+            w, q = _packed(jax.random.fold_in(key, 8 * i + j), shape, fmt)
+            for m in rows:
+                x = jax.random.normal(jax.random.fold_in(key, m), (m, shape[0]), jnp.bfloat16)
+                impls = {impl: functools.partial(qmm.quant_matmul, fmt=fmt, impl=impl) for impl in qmm.IMPLS}
+                ref, got = (np.asarray(f(x, q.data, q.scales), np.float32) for f in impls.values())
+                rel = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-6))
+                row = {"weight": name, "shape": list(shape), "format": fmt, "rows": m, "rel_err": rel,
+                       "ok": bool(np.isfinite(got).all() and rel <= TOLERANCE),
+                       "bytes": int(q.nbytes + x.nbytes + m * shape[1] * 2), "bf16_bytes": int(w.nbytes)}
+                row["bf16_us"] = per_call_us(lambda a, b: a @ b, x, (w,), iters, inner)
+                for impl, f in impls.items():
+                    row[f"{impl}_us"] = per_call_us(lambda a, d, s, f=f: f(a, d, s), x, (q.data, q.scales), iters,
+                                                    inner)
+                row["roofline_us"] = 1e6 * row["bytes"] / bandwidth
+                row["pallas_over_xla"] = row["pallas_us"] / row["xla_us"]
+                row["best_over_bf16"] = min(row["pallas_us"], row["xla_us"]) / row["bf16_us"]
+                cells.append(row)
+                print(f"kernel {name:10s} {fmt:5s} rows {m:3d}: bf16 {row['bf16_us']:8.2f} us, xla "
+                      f"{row['xla_us']:8.2f} us, pallas {row['pallas_us']:8.2f} us, roofline {row['roofline_us']:8.2f}"
+                      f" us, rel err {rel:.1e}", flush=True)
+    out = {"cells": cells, "read_bandwidth_Bps": bandwidth, "tolerance_rel": TOLERANCE,
+           "gpu_default_impl": qmm.GPU_DEFAULT_IMPL,
+           "tiles": {k: getattr(qmm, k) for k in ("MAX_ROWS", "BLOCK_N", "BLOCK_K", "TARGET_PROGRAMS", "NUM_WARPS",
+                                                  "NUM_STAGES")}}
+    if sweep:
+        out["sweep"] = sweep_tiles(shapes, rows, iters, inner)
+    return out
+
+
+def sweep_tiles(shapes: dict, rows: tuple, iters: int, inner: int) -> list:
+    """The kernel over tile settings, on the largest layer weight (w_down) in q8_0 and q4_0, fewest and most rows."""
+    shape, interpret = shapes["w_down"], jax.default_backend() != "gpu"
+    results = []
+    for fmt in ("q8_0", "q4_0"):
+        _, q = _packed(jax.random.key(1), shape, fmt)
+        for m in sorted({rows[0], rows[-1]}):
+            x = jax.random.normal(jax.random.key(m), (m, shape[0]), jnp.bfloat16)
+            for block_n in (64, 128, 256):
+                for block_k in (128, 256, 512):
+                    for warps, stages in ((4, 2), (4, 3), (8, 3)):
+                        tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+                        fn = functools.partial(qmm._pallas_matmul, fmt=fmt, compute=jnp.dtype(jnp.bfloat16),
+                                               interpret=interpret, **tiles)
+                        us = per_call_us(lambda a, d, s: fn(a, d, s), x, (q.data, q.scales), iters, inner)
+                        results.append({"format": fmt, "rows": m, **tiles, "pallas_us": us})
+                        print(f"sweep {fmt} rows {m}: {tiles} {us:8.2f} us", flush=True)
+    return results
+
+
+def drafter_part(target, drafter, args, counter) -> list:
+    """`spec_round.measure_cell` per drafter precision and batch, reduced to the figures of the issue."""
+    cells = []
+    for precision in args.precisions:
+        d = drafter.replace(params=quant.quantize_params(drafter.params, precision, xp=jnp))
+        for batch in args.batches:
+            for prompt in args.prompts:
+                rec = spec_round.measure_cell(target, d, batch, prompt, args, counter)
+                run = min(rec["fused"], key=lambda r: abs(r["tau"] - TAU))
+                cells.append({
+                    "precision": precision, "batch": batch, "prompt": prompt, "drafter_bytes": common.nbytes(d.params),
+                    "draft_s": rec["phases"]["draft_s"], "verify_s": rec["phases"]["verify_s"],
+                    "round_s": rec["round_s"], "plain_step_s": rec["plain_step_s"],
+                    "round_over_plain_step": rec["round_over_plain_step"], "tau": run["tau"],
+                    "tau_measured": run["tau_measured"], "speedup_at_tau_6_5": run["speedup"],
+                    "lossless": all(r["lossless"] for r in rec["fused"]) and rec["real_drafter"]["lossless"],
+                    "no_recompile": rec["no_recompile"]})
+                print(f"drafter {precision:5s} b={batch}: draft {cells[-1]['draft_s'] * 1e3:.3f} ms, round/plain "
+                      f"{rec['round_over_plain_step']:.3f}, speedup at tau {run['tau']} {run['speedup']:.2f}x",
+                      flush=True)
+        del d
+    return cells
+
+
+def target_part(target, args) -> list:
+    """Plain decoding per target precision and batch, and its ratio to bf16 at the same batch."""
+    cells = []
+    for precision in args.target_precisions:
+        t = target.replace(params=quant.quantize_params(target.params, precision, xp=jnp))
+        for batch in args.batches:
+            res = plain_decode.measure(t, batch, args.prompts[0], args.new, args.impl, args.reps)
+            cells.append({"precision": precision, "weight_bytes": common.target_step_bytes(t), **res})
+            print(f"target {precision:5s} b={batch}: {res['tokens_per_s']:.1f} tok/s", flush=True)
+        del t
+    for c in cells:
+        base = [b for b in cells if b["precision"] == "bf16" and b["batch"] == c["batch"]]
+        c["over_bf16"] = c["tokens_per_s"] / base[0]["tokens_per_s"] if base else None
+    return cells
+
+
+def merge(old: list, new: list, keys: tuple) -> list:
+    """`old` cells with those `new` measures again (same `keys`) replaced, then the new ones."""
+    fresh = {tuple(c[k] for k in keys) for c in new}
+    return [c for c in old if tuple(c[k] for k in keys) not in fresh] + new
+
+
+def summarise(payload: dict) -> dict:
+    """The issue's figures, where measured: the q8_0 drafter's round over a plain step and its speedup at 6.5,
+    and the int8 target's plain tokens/s over bf16, per batch."""
+    out = {}
+    for c in payload.get("drafter_round", {}).get("cells", []):
+        out[f"{c['precision']}_b{c['batch']}_round_over_plain_step"] = c["round_over_plain_step"]
+        out[f"{c['precision']}_b{c['batch']}_speedup_at_tau_6_5"] = c["speedup_at_tau_6_5"]
+    for c in payload.get("target_plain", {}).get("cells", []):
+        if c["precision"] != "bf16" and c["over_bf16"] is not None:
+            out[f"target_{c['precision']}_b{c['batch']}_tokens_per_s_over_bf16"] = c["over_bf16"]
+    return out
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafter = payload.get("drafter_round", {}).get("cells", [])
+    target = payload.get("target_plain", {}).get("cells", [])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = ((axes[0], drafter, "round_over_plain_step", "fused round / plain step (drafter precision)"),
+              (axes[1], drafter, "speedup_at_tau_6_5", "speedup at acceptance 6.5 (drafter precision)"),
+              (axes[2], target, "over_bf16", "plain tokens/s over bf16 (target precision)"))
+    for ax, cells, key, title in panels:
+        batches = sorted({c["batch"] for c in cells})
+        precisions = list(dict.fromkeys(c["precision"] for c in cells))
+        width = 0.8 / max(len(batches), 1)
+        for i, b in enumerate(batches):
+            values = [next((c[key] or 0.0 for c in cells if c["precision"] == p and c["batch"] == b), 0.0)
+                      for p in precisions]
+            ax.bar(np.arange(len(precisions)) + i * width, values, width, label=f"batch {b}")
+            for x, v in zip(np.arange(len(precisions)) + i * width, values):
+                ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(np.arange(len(precisions)) + width * (len(batches) - 1) / 2, precisions)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"weight precision, {payload.get('model', '')} on {payload['device']} (jax {payload['jax_version']})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "q8_0", "q4_0"], choices=list(policy.PRECISIONS),
+                    help="drafter precisions")
+    ap.add_argument("--target-precisions", nargs="+", default=["bf16", "int8"], choices=list(policy.PRECISIONS))
+    ap.add_argument("--quant-impl", default=None, choices=list(qmm.IMPLS),
+                    help="quantised product of the drafter and target parts on the GPU (default: quant_matmul's)")
+    ap.add_argument("--sweep", action="store_true", help="kernel part: also time tile settings")
+    ap.add_argument("--iters", type=int, default=20, help="kernel part: timed samples per cell (median)")
+    ap.add_argument("--inner", type=int, default=50, help="kernel part: calls per sample, in one jitted loop")
+    ours, rest = ap.parse_known_args(argv)
+    batches_given = "--batches" in (rest or [])
+    args = spec_round.parse_args(rest, __doc__, TAU)
+    if not batches_given:
+        args.batches = [1, 2] if args.tiny else [1, 16]
+    return argparse.Namespace(**vars(args), **vars(ours))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.quant_impl:
+        qmm.GPU_DEFAULT_IMPL = args.quant_impl
+    name = f"quant{'_tiny' if args.tiny else ''}"
+    out_dir = args.out or common.RESULTS
+    path = os.path.join(out_dir, f"{name}.json")
+    previous = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+    target, drafter = acc.models(args.tiny)
+    payload = {**previous, **common.environment(**vars(args)), **acc.describe(target, drafter, args.tiny),
+               "quant_impl": qmm.default_impl()}
+    if "kernel" in args.parts:
+        shapes = weight_shapes(target.config, drafter.config)
+        if args.tiny:  # interpreted: two weights and one row count test the script
+            shapes = {k: shapes[k] for k in ("w_down", "drafter_fc")}
+        iters, inner = (1, 2) if args.tiny else (args.iters, args.inner)
+        payload["kernel"] = kernel_part(shapes, (16,) if args.tiny else (1, 16, 64), iters, inner, args.sweep)
+    if "drafter" in args.parts:
+        cells = drafter_part(target, drafter, args, acc.CompileCounter())
+        payload["drafter_round"] = {"cells": merge(previous.get("drafter_round", {}).get("cells", []), cells,
+                                                   ("precision", "batch", "prompt"))}
+    if "target" in args.parts:
+        cells = target_part(target, args)
+        payload["target_plain"] = {"cells": merge(previous.get("target_plain", {}).get("cells", []), cells,
+                                                  ("precision", "batch"))}
+    payload["summary"] = summarise(payload)
+    common.write_json(f"{name}.json", payload, out_dir)
+    plot(payload, os.path.join(out_dir, f"{name}.png"))
+    failed = [f"{c['weight']} {c['format']} rows {c['rows']}" for c in payload.get("kernel", {}).get("cells", [])
+              if not c["ok"]]
+    if common.exit_status(failed, TOLERANCE):
+        sys.exit(1)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
