@@ -517,3 +517,14 @@ def test_bench_quant_tiny_measures_every_part_and_stays_lossless(tmp_path):
     again = bench_quant.main(["--tiny", "--out", str(tmp_path), "--parts", "target", "--target-precisions", "bf16",
                               "--batches", "1", "--reps", "1", "--new", "16"])
     assert {c["precision"] for c in again["drafter_round"]["cells"]} == {"q8_0"}, "a later part's run keeps the others"
+
+
+def test_training_a_quantised_drafter_is_refused_naming_the_way_out():
+    from dflash_jax import train
+
+    target = tiny_target(0)
+    drafter = dflash_jax.quantize(tiny_drafter(target, 4), "q8_0")
+    tc = train.TrainConfig(steps=2, warmup_steps=0, seq_len=16, anchors_per_seq=4, batch_size=1)
+    with pytest.raises(ValueError, match=r"quantised weights .* cannot be trained: .* precision='bf16'"):
+        train.train_drafter(target, np.arange(64) % target.config.vocab_size, drafter.config, drafter.params, tc,
+                            progress=False)

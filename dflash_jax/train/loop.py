@@ -32,6 +32,7 @@ from dflash_jax.config import (
     drafter_census,
     drafter_to_hf_config,
 )
+from dflash_jax import quant
 from dflash_jax.io import checkpoints, publish
 from dflash_jax.targets.base import Target
 from dflash_jax.train.data import check_token_stream, sample_anchors, sample_windows
@@ -303,6 +304,12 @@ def check_drafter_for_target(target_cfg: TargetConfig, cfg: DrafterConfig, param
             f"harvest can be trained; got family {cfg.family!r}, harvest {cfg.harvest!r}"
         )
     check_fits_target(cfg, target_cfg)
+    quantized = quant.formats_of(params)
+    if quantized:
+        names = ", ".join(".".join(path) for path in list(quantized)[:3])
+        raise ValueError(f"a drafter with quantised weights ({len(quantized)} tensors at {set(quantized.values())}, "
+                         f"e.g. {names}) cannot be trained: gradients need float weights; load it with "
+                         "precision='bf16' and quantise the trained drafter")
     if tc.seq_len > target_cfg.max_position_embeddings:
         raise ValueError(
             f"TrainConfig.seq_len {tc.seq_len} exceeds the target's max_position_embeddings "
