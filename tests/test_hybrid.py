@@ -179,12 +179,10 @@ def _assert_same_state(a, b):
             assert np.array_equal(np.asarray(x)[held], np.asarray(y)[held]), f"{name} of attention layer {i} differs"
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_replay_oracle_gives_bit_identical_states_after_every_round(pair, plain, impl):
+def _assert_replay_oracle_holds(target, plain, impl):
     """The original's CKPT_GATE as a test: a speculative run at batch 3 with ragged prompts and proposals copied
-    from the greedy continuation with a wrong token at a chosen slot (every acceptance length 0..nd occurs); with
-    the jnp forms and with the kernels (interpreted here; the delta rule's and attention's)."""
-    _, target, _ = pair
+    from the greedy continuation with a wrong token at a chosen slot (every acceptance length 0..nd occurs); after
+    every round the committed state equals the replayed one bit for bit."""
     nd, rounds = ND, ROUNDS
     seqs = [p + t for p, t in zip(PROMPTS, plain)]
     state = target.init_state(3, 192)
@@ -209,6 +207,19 @@ def test_replay_oracle_gives_bit_identical_states_after_every_round(pair, plain,
         seen.update((np.asarray(kept) - 1).tolist())
         state, pos = committed, pos + np.asarray(kept)
     assert seen == set(range(nd + 1)), f"acceptance lengths seen {sorted(seen)}, want 0..{nd}"
+
+
+def test_replay_oracle_gives_bit_identical_states_after_every_round(pair, plain):
+    _assert_replay_oracle_holds(pair[1], plain, "xla")
+
+
+def test_replay_oracle_holds_with_the_kernels(tmp_path_factory):
+    """The same with the Pallas kernels (interpreted here: the delta rule's, attention's and, on a GPU, the grouped
+    experts'), on the MoE hybrid."""
+    _, path = _saved("qwen3_5_moe", str(tmp_path_factory.getbasetemp()))
+    target = dflash_jax.load_target(path, dtype="float32")
+    plain = dflash_jax.generate(target, None, PROMPTS, max_new_tokens=PLAIN_NEW).tokens
+    _assert_replay_oracle_holds(target, plain, "pallas")
 
 
 def test_greedy_speculative_equals_plain_at_batch_one_and_three(pair, plain):
