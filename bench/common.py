@@ -162,6 +162,16 @@ def timed(fn, *args, reps: int = 5, warmup: int = 1):
     return statistics.median(times), out
 
 
+def phase_bars(ax, i: int, phases: dict, plain_step_s: float) -> None:
+    """At x = i on a matplotlib axis: one round's draft, verify and commit + ingest stacked (ms), beside the plain
+    step; legend labels on the first bar only."""
+    bottom = 0.0
+    for key, color in (("draft_s", "tab:blue"), ("verify_s", "tab:orange"), ("commit_ingest_s", "tab:green")):
+        ax.bar(i - 0.2, phases[key] * 1e3, 0.4, bottom=bottom, color=color, label=key[:-2] if i == 0 else None)
+        bottom += phases[key] * 1e3
+    ax.bar(i + 0.2, plain_step_s * 1e3, 0.4, color="gray", label="plain step" if i == 0 else None)
+
+
 def environment(**settings) -> dict:
     dev = jax.devices()[0]
     return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax_version": jax.__version__,

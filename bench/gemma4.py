@@ -98,11 +98,7 @@ def plot(payload: dict, path: str) -> None:
     cells = payload["cells"]
     fig, ax = plt.subplots(figsize=(3 + 1.5 * len(cells), 4))
     for i, m in enumerate(cells):
-        ph, bottom = m["round"]["phases"], 0.0
-        for key, color in (("draft_s", "tab:blue"), ("verify_s", "tab:orange"), ("commit_ingest_s", "tab:green")):
-            ax.bar(i - 0.2, ph[key] * 1e3, 0.4, bottom=bottom, color=color, label=key[:-2] if i == 0 else None)
-            bottom += ph[key] * 1e3
-        ax.bar(i + 0.2, m["plain"]["step_s"] * 1e3, 0.4, color="gray", label="plain step" if i == 0 else None)
+        common.phase_bars(ax, i, m["round"]["phases"], m["plain"]["step_s"])
     ax.set_xticks(range(len(cells)), [f"prompt {m['prompt']}\n{m['sliding_cache']}" for m in cells])
     ax.set_title(f"{payload['model']}: round phases vs plain step (ms)")
     ax.legend(fontsize=8)

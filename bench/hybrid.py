@@ -118,11 +118,7 @@ def plot(payload: dict, path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for i, name in enumerate(names):
         m = payload["models"][name]
-        ph, bottom = m["round"]["phases"], 0.0
-        for key, color in (("draft_s", "tab:blue"), ("verify_s", "tab:orange"), ("commit_ingest_s", "tab:green")):
-            a.bar(i - 0.2, ph[key] * 1e3, 0.4, bottom=bottom, color=color, label=key[:-2] if i == 0 else None)
-            bottom += ph[key] * 1e3
-        a.bar(i + 0.2, m["plain"]["step_s"] * 1e3, 0.4, color="gray", label="plain step" if i == 0 else None)
+        common.phase_bars(a, i, m["round"]["phases"], m["plain"]["step_s"])
         for j, mode in enumerate(("per_position", "keep_all", "replay")):
             b.bar(i + (j - 1) * 0.27, m["rollback"][f"{mode}_s"] * 1e3, 0.27, color=f"C{j}",
                   label=mode if i == 0 else None)

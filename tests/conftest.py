@@ -90,6 +90,25 @@ def tiny_drafter(target: Target, block_size: int, seed: int = 1, windows=(None, 
     return make_drafter(cfg, random_params(drafter_param_shapes(cfg), seed))
 
 
+def max_rel_err(ours, ref) -> float:
+    """Largest absolute difference over the reference's largest magnitude."""
+    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
+
+
+@jax.jit
+def extend_commit(target: Target, state, block, start, kept):
+    """A verify-shaped `extend` of `block` at `start` and the `commit` of `kept`: (logits, state)."""
+    h, _, state, pending = target.extend(state, block, start)
+    return target.logits(h), target.commit(state, pending, kept)
+
+
+@jax.jit
+def prefill_commit(target: Target, state, block, kept):
+    """A prefill-shaped `extend` from position 0 that promises `valid=kept`, and its `commit`: (logits, state)."""
+    h, _, state, pending = target.extend(state, block, jnp.zeros_like(kept), valid=kept)
+    return target.logits(h), target.commit(state, pending, kept)
+
+
 def assert_long_prompts_decode_as_the_uncached_forward(target: Target, drafter: Drafter) -> None:
     """A 700-token prompt (two 512-token prefill chunks, the second partly padding) beside a 5-token one that the
     second chunk leaves alone: greedy tokens equal the argmax of one uncached forward, with and without `drafter`.

@@ -24,7 +24,14 @@ from dflash_jax.config import check_fits_target, policy
 from dflash_jax.io.checkpoints import make_drafter, write_drafter, write_target
 from dflash_jax.targets import moe
 from dflash_jax.train import init_drafter
-from conftest import assert_long_prompts_decode_as_the_uncached_forward, inject_reference, tiny_drafter
+from conftest import (
+    assert_long_prompts_decode_as_the_uncached_forward,
+    extend_commit,
+    inject_reference,
+    max_rel_err,
+    prefill_commit,
+    tiny_drafter,
+)
 
 VOCAB = 97
 WINDOW = 6
@@ -72,9 +79,6 @@ def _tokens(b, t, seed=0):
     return np.random.RandomState(seed).randint(0, VOCAB, (b, t))
 
 
-def _max_rel_err(ours, ref):
-    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
-
 
 @functools.partial(jax.jit, static_argnums=2)
 def _logits_and_taps(target, tokens, tap_ids):
@@ -89,7 +93,7 @@ def test_logits_and_taps_match_transformers_past_the_sliding_window(pair):
         out = model(torch.tensor(tokens), output_hidden_states=True)
     tap_ids = (0, target.config.num_layers - 2)  # transformers' hidden_states[-1] is the final-normed output
     logits, taps = _logits_and_taps(target, jnp.asarray(tokens, jnp.int32), tap_ids)
-    err = _max_rel_err(logits, out.logits.numpy())
+    err = max_rel_err(logits, out.logits.numpy())
     print(f"max relative logit error {err:.2e}")
     assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
     h = target.config.hidden_size
@@ -126,7 +130,7 @@ def test_written_target_reads_back_identically(pair, tmp_path):
     tokens = _tokens(2, 4 * WINDOW, seed=6)
     with torch.no_grad():
         ref = reread(torch.tensor(tokens)).logits.numpy()
-    assert _max_rel_err(target.full_logits(tokens), ref) <= 1e-4, "transformers must read what we write"
+    assert max_rel_err(target.full_logits(tokens), ref) <= 1e-4, "transformers must read what we write"
 
 
 def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_towers(tmp_path, capsys):
@@ -150,7 +154,7 @@ def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_tow
     tokens = _tokens(2, 3 * WINDOW, seed=5)
     with torch.no_grad():
         ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
-    err = _max_rel_err(target.full_logits(tokens), ref)
+    err = max_rel_err(target.full_logits(tokens), ref)
     assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
 
 
@@ -281,31 +285,20 @@ def test_kv_shared_layers_own_kv_tensors_are_skipped_as_transformers_skips_them(
                                   np.asarray(dflash_jax.load_target(path).full_logits(tokens)))
 
 
-@jax.jit
-def _extend_commit(target, state, block, start, kept):
-    h, _, state, pending = target.extend(state, block, start)
-    return target.logits(h), target.commit(state, pending, kept)
-
-
-@jax.jit
-def _prefill(target, state, block, kept):
-    h, _, state, pending = target.extend(state, block, jnp.zeros_like(kept), valid=kept)
-    return target.logits(h), target.commit(state, pending, kept)
-
-
 def _verifies_match_the_forward(target, state, tokens, full, lengths, kepts, width: int = 3) -> np.ndarray:
     """A ragged prefill of `lengths` (a 24-wide chunk), then verify blocks of `width` at each row's position of
     which `kepts[r]` are kept: every logit of the prefill and of the blocks equals the uncached forward's `full`.
     Returns the positions reached."""
     tol = 1e-4 * np.abs(full).max()
     lengths = np.asarray(lengths)
-    logits, state = _prefill(target, state, jnp.asarray(tokens[:, :24], jnp.int32), jnp.asarray(lengths, jnp.int32))
+    logits, state = prefill_commit(target, state, jnp.asarray(tokens[:, :24], jnp.int32),
+                                   jnp.asarray(lengths, jnp.int32))
     for i, n in enumerate(lengths):
         np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
     pos = lengths.copy()
     for r, kept in enumerate(kepts):
         block = np.stack([tokens[i, p:p + width] for i, p in enumerate(pos)])
-        logits, state = _extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
+        logits, state = extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
                                        jnp.asarray(kept, jnp.int32))
         for i, p in enumerate(pos):
             np.testing.assert_allclose(np.asarray(logits[i]), full[i, p:p + width], atol=tol, rtol=0,

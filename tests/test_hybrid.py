@@ -21,7 +21,14 @@ import dflash_jax
 from dflash_jax import cli
 from dflash_jax.config import CheckpointError, target_config_from_hf
 from dflash_jax.io.checkpoints import write_target
-from conftest import assert_long_prompts_decode_as_the_uncached_forward, inject_reference, tiny_drafter
+from conftest import (
+    assert_long_prompts_decode_as_the_uncached_forward,
+    extend_commit,
+    inject_reference,
+    max_rel_err,
+    prefill_commit,
+    tiny_drafter,
+)
 
 VOCAB = 97
 LAYERS = ["linear_attention", "full_attention", "linear_attention"]
@@ -78,16 +85,13 @@ def _tokens(b, t, seed=0):
     return np.random.RandomState(seed).randint(0, VOCAB, (b, t))
 
 
-def _max_rel_err(ours, ref):
-    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
-
 
 def test_logits_and_taps_match_transformers_across_several_delta_rule_chunks(pair):
     model, target, _ = pair
     tokens = _tokens(2, 150)  # the uncached forward runs the chunked delta rule in 64-position chunks
     with torch.no_grad():
         out = model(torch.tensor(tokens), output_hidden_states=True)
-    err = _max_rel_err(target.full_logits(tokens), out.logits.numpy())
+    err = max_rel_err(target.full_logits(tokens), out.logits.numpy())
     assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
     _, taps = jax.jit(target.forward, static_argnums=1)(jnp.asarray(tokens, jnp.int32), (0, 1))
     h = target.config.hidden_size
@@ -106,18 +110,6 @@ def test_moe_routing_is_not_trivial(name, tmp_path_factory):
     assert len(chosen) > 5, f"tokens should pick different experts; picked {chosen}"
 
 
-@jax.jit
-def _extend_commit(target, state, block, start, kept):
-    h, _, state, pending = target.extend(state, block, start)
-    return target.logits(h), target.commit(state, pending, kept)
-
-
-@jax.jit
-def _prefill(target, state, block, kept):
-    h, _, state, pending = target.extend(state, block, jnp.zeros_like(kept), valid=kept)
-    return target.logits(h), target.commit(state, pending, kept)
-
-
 def test_prefill_then_partly_kept_blocks_equal_the_uncached_forward(pair):
     """A ragged prefill wider than a delta-rule chunk, then verify blocks of widths 1, 3 and 8 of which only a prefix is
     kept (the rest rolled back by `commit`): every kept position's logits equal the uncached forward's."""
@@ -127,14 +119,15 @@ def test_prefill_then_partly_kept_blocks_equal_the_uncached_forward(pair):
     tol = 1e-4 * np.abs(full).max()
     lengths = np.array([70, 9])
     state = target.init_state(2, 256)
-    logits, state = _prefill(target, state, jnp.asarray(tokens[:, :128], jnp.int32), jnp.asarray(lengths, jnp.int32))
+    logits, state = prefill_commit(target, state, jnp.asarray(tokens[:, :128], jnp.int32),
+                                   jnp.asarray(lengths, jnp.int32))
     for i, n in enumerate(lengths):
         np.testing.assert_allclose(np.asarray(logits[i, :n]), full[i, :n], atol=tol, rtol=0)
     pos = lengths.copy()
     for width in (1, 3, 8):
         block = np.stack([tokens[i, p:p + width] for i, p in enumerate(pos)])
         kept = np.array([width, max(width // 2, 1) if width % 3 else 0])
-        logits, state = _extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
+        logits, state = extend_commit(target, state, jnp.asarray(block, jnp.int32), jnp.asarray(pos, jnp.int32),
                                        jnp.asarray(kept, jnp.int32))
         for i, p in enumerate(pos):
             np.testing.assert_allclose(np.asarray(logits[i]), full[i, p:p + width], atol=tol, rtol=0,
@@ -191,7 +184,7 @@ def _assert_replay_oracle_holds(target, plain, impl):
     block = np.zeros((3, width), np.int32)
     for i, p in enumerate(PROMPTS):
         block[i, :lengths[i]] = p[:-1]
-    _, state = _prefill(target, state, jnp.asarray(block), jnp.asarray(lengths, jnp.int32))
+    _, state = prefill_commit(target, state, jnp.asarray(block), jnp.asarray(lengths, jnp.int32))
     pos, seen = lengths.copy(), set()
     for r in range(rounds):
         block = np.zeros((3, nd + 1), np.int32)
@@ -303,7 +296,7 @@ def test_conditional_generation_checkpoint_runs_its_text_model_and_skips_the_vis
     tokens = _tokens(2, 30, seed=5)
     with torch.no_grad():
         ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
-    err = _max_rel_err(target.full_logits(tokens), ref)
+    err = max_rel_err(target.full_logits(tokens), ref)
     assert err <= 1e-4, f"max relative logit error {err:.2e} > 1e-4"
     write_target(tmp_path / "causal", target, dtype="float32")  # written back as the causal LM it runs
     again = dflash_jax.load_target(tmp_path / "causal")

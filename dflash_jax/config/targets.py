@@ -262,14 +262,21 @@ class HybridConfig(TargetConfig):
         return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
 
 
+def _known_arch(d: Mapping, by_architecture: Mapping, by_model_type: Mapping) -> tuple:
+    """(the value of the first known `architectures` entry, else of `model_type`; the known entries), refusing a
+    `model_type` that says otherwise."""
+    archs = [a for a in string_list(d.get("architectures"), "architectures") if a in by_architecture]
+    model_type = d.get("model_type")
+    value = by_architecture[archs[0]] if archs else by_model_type[model_type]
+    if model_type is not None and by_model_type.get(model_type) != value:
+        raise CheckpointError(f"contradictory target config: architectures {archs!r} but model_type {model_type!r}")
+    return value, archs
+
+
 def _hybrid_arch(d: Mapping) -> tuple:
     """(arch, conditional) from `architectures` (else `model_type`), refusing a contradiction."""
-    archs = [a for a in string_list(d.get("architectures"), "architectures") if a in HYBRID_ARCHITECTURES]
-    model_type = d.get("model_type")
-    arch = HYBRID_ARCHITECTURES[archs[0]] if archs else _HYBRID_MODEL_TYPES[model_type]
-    if model_type is not None and _HYBRID_MODEL_TYPES.get(model_type) != arch:
-        raise CheckpointError(f"contradictory target config: architectures {archs!r} but model_type {model_type!r}")
-    conditional = archs[0] in _CONDITIONAL if archs else model_type in ("qwen3_5", "qwen3_5_moe")
+    arch, archs = _known_arch(d, HYBRID_ARCHITECTURES, _HYBRID_MODEL_TYPES)
+    conditional = archs[0] in _CONDITIONAL if archs else d.get("model_type") in ("qwen3_5", "qwen3_5_moe")
     return arch, conditional
 
 
@@ -505,12 +512,7 @@ class Gemma4Config(TargetConfig):
 
 def _gemma4_arch(d: Mapping) -> bool:
     """Whether `d` is a conditional-generation config (else a causal LM's), refusing a contradiction."""
-    archs = [a for a in string_list(d.get("architectures"), "architectures") if a in GEMMA4_ARCHITECTURES]
-    model_type = d.get("model_type")
-    conditional = GEMMA4_ARCHITECTURES[archs[0]] if archs else _GEMMA4_MODEL_TYPES[model_type]
-    if model_type is not None and _GEMMA4_MODEL_TYPES.get(model_type) != conditional:
-        raise CheckpointError(f"contradictory target config: architectures {archs!r} but model_type {model_type!r}")
-    return conditional
+    return _known_arch(d, GEMMA4_ARCHITECTURES, _GEMMA4_MODEL_TYPES)[0]
 
 
 def _gemma4_refusals(t: Mapping) -> None:
