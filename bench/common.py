@@ -162,6 +162,18 @@ def timed(fn, *args, reps: int = 5, warmup: int = 1):
     return statistics.median(times), out
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a line saying so) where matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
 def phase_bars(ax, i: int, phases: dict, plain_step_s: float) -> None:
     """At x = i on a matplotlib axis: one round's draft, verify and commit + ingest stacked (ms), beside the plain
     step; legend labels on the first bar only."""

@@ -88,12 +88,8 @@ def step_bytes(target, live_tokens: float, batch: int = 1) -> dict:
 
 def plot(payload: dict, path: str) -> None:
     """Round phases against the plain step, per prompt and sliding cache."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = common.pyplot()
+    if plt is None:
         return
     cells = payload["cells"]
     fig, ax = plt.subplots(figsize=(3 + 1.5 * len(cells), 4))

@@ -107,12 +107,8 @@ def measure_rollback(target, prompt: int, width: int, kept: int, reps: int) -> d
 
 def plot(payload: dict, path: str) -> None:
     """Round phases against the plain step, and the three rollback modes, per model."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = common.pyplot()
+    if plt is None:
         return
     names = list(payload["models"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
