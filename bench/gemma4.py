@@ -136,9 +136,9 @@ def main(argv=None):
                          "speedup_at_tau": at_tau.get("speedup"), "lossless": at_tau.get("lossless"),
                          "no_recompile": rec["no_recompile"]}})
         print(f"{name} prompt {prompt}, {kind} sliding cache: {payload['cells'][-1]['headline']}")
+        path = common.write_json(f"gemma4{'_tiny' if args.tiny else ''}.json", payload, args.out)
         del rec
         gc.collect()
-    path = common.write_json(f"gemma4{'_tiny' if args.tiny else ''}.json", payload, args.out)
     plot(payload, path[:-len(".json")] + ".png")
     return payload
 

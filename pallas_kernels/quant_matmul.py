@@ -56,6 +56,7 @@ BLOCK_K = 256  # largest K tile (a multiple of 32); the tile is the largest powe
 TARGET_PROGRAMS = 264  # K is split until the grid has about this many programs (2 per H200 SM)
 NUM_WARPS = 4
 NUM_STAGES = 3
+SMEM_BYTES = 232_448  # shared memory one H200 block may take; 64 rows at 3 stages asked for 233,472 there
 
 
 def default_impl(backend: str | None = None) -> str:
@@ -186,6 +187,17 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
 
 
+def fit_stages(bm: int, bn: int, bk: int, x_itemsize: int, fmt: str, num_stages: int) -> int:
+    """Pipeline stages cut until a program's shared memory fits `SMEM_BYTES`: per stage an x tile, a packed
+    weight tile and its scales, plus the float32 `[bm, bn]` accumulator."""
+    packed = bk // 2 if fmt == "q4_0" else bk
+    scales = 4 if fmt == "int8" else (bk // BLOCK) * 2
+    per_stage = bm * bk * x_itemsize + packed * bn + scales * bn
+    while num_stages > 1 and num_stages * per_stage + bm * bn * 4 > SMEM_BYTES:
+        num_stages -= 1
+    return num_stages
+
+
 def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, block_n: int = BLOCK_N,
                    block_k: int = BLOCK_K, k_splits: int | None = None, num_warps: int = NUM_WARPS,
                    num_stages: int = NUM_STAGES):
@@ -202,6 +214,7 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, block
     if bk % BLOCK or bn < 16:
         raise ValueError(f"quant_matmul: tiles K {bk} (from K = {k}) and N {bn} (from N = {n}) do not fit the "
                          f"kernel: K needs whole blocks of {BLOCK} and N a power-of-two factor of 16.")
+    num_stages = fit_stages(bm, bn, bk, x.dtype.itemsize, fmt, num_stages)
     tiles = k // bk
     m_tiles, n_tiles = -(-m // bm), n // bn
     if k_splits is None:

@@ -32,6 +32,11 @@ TARGET_PROGRAMS = 256  # context splits are added until the grid has about this 
 MIN_TILES_PER_SPLIT = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
+# Wide heads (Gemma-4's 512) shrink the tiles: a program's shared memory (one query tile and `num_stages` K and V
+# tiles) must fit an H200 block's 232,448 bytes, and its float32 accumulator must stay as small as the 64 x 256
+# that the head-128/256 sweep ran with.
+SMEM_BYTES = 232_448
+ACC_ELEMENTS = 64 * 256
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked tiles never make NaN
 
@@ -224,6 +229,20 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def fit_tiles(hd_p: int, itemsize: int, block_q: int, block_k: int, num_stages: int) -> tuple[int, int, int]:
+    """`(block_q, block_k, num_stages)` shrunk until the accumulator and the shared memory fit (see SMEM_BYTES):
+    fewer query rows first, then fewer pipeline stages, then shorter key tiles."""
+    block_q = max(16, min(block_q, ACC_ELEMENTS // hd_p))
+    while (block_q + 2 * num_stages * block_k) * hd_p * itemsize > SMEM_BYTES:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_k > 16:
+            block_k //= 2
+        else:
+            break
+    return block_q, block_k, num_stages
+
+
 def _kv_spec(length: int, hd: int) -> pl.BlockSpec:
     """All `length` keys of one (batch row, kv head) of a `[B, length, nkv, hd]` array."""
     return pl.BlockSpec((None, length, None, hd), lambda i, h, t, p: (i, 0, h, 0))
@@ -238,6 +257,7 @@ def _pallas_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale, causal, 
     group = nh // nkv
     # Triton tiles: power-of-two sizes, at least 16 along every matmul dimension.
     hd_p = max(16, pl.next_power_of_2(hd))
+    block_q, block_k, num_stages = fit_tiles(hd_p, k_ctx.dtype.itemsize, block_q, block_k, num_stages)
     rows = min(block_q, max(16, pl.next_power_of_2(w * group)))
     packed_rows = _round_up(w * group, rows)
     block_b = min(block_k, max(16, pl.next_power_of_2(w)))

@@ -115,6 +115,23 @@ def test_bf16_inputs_give_bf16_output_close_to_reference():
                                err_msg="bf16 kernel (float32 accumulation) strays from the reference")
 
 
+@pytest.mark.parametrize("hd, itemsize", [(128, 2), (256, 2), (512, 2), (512, 4)])
+def test_tiles_fit_shared_memory_and_the_accumulator_for_every_head_width(hd, itemsize):
+    block_q, block_k, stages = wa.fit_tiles(hd, itemsize, wa.BLOCK_Q, wa.BLOCK_K, wa.NUM_STAGES)
+    assert (block_q + 2 * stages * block_k) * hd * itemsize <= wa.SMEM_BYTES, "tiles overflow shared memory"
+    assert block_q * hd <= wa.ACC_ELEMENTS, "the float32 accumulator outgrows the swept size"
+    if hd * itemsize <= 512:
+        assert (block_q, block_k, stages) == (wa.BLOCK_Q, wa.BLOCK_K, wa.NUM_STAGES), "swept tiles were changed"
+
+
+def test_pallas_kernel_matches_reference_with_gemma4_wide_heads():
+    inputs = random_inputs(6, 1, 16, 8, 1, 512, 100, dtype=jnp.bfloat16)
+    got = run("pallas", inputs, [70], True, None)
+    want = run("xla", inputs, [70], True, None)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2,
+                               err_msg="shrunk tiles for head_dim 512 stray from the reference")
+
+
 def test_pallas_kernel_never_touches_cache_tiles_outside_the_live_window():
     tile, ctx_len, window = wa.BLOCK_K, 3 * wa.BLOCK_K + 5, 2 * wa.BLOCK_K
     b, w, nh, nkv, hd, s = 1, 4, 4, 2, 16, 6 * wa.BLOCK_K
