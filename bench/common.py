@@ -236,23 +236,43 @@ def torch_peer_from_target(target: Target):
     return model.eval()
 
 
-def hf_generate_tokens_per_s(model, prompt_len: int, new_tokens: int, static_cache: bool = False) -> dict:
-    """`transformers` greedy generate on the same weights: tokens/s (median of 2 after a warm-up)."""
+def _torch_compiles() -> int | None:
+    """Frames torch's compiler has compiled so far in this process (None where the counter is missing)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return sum(counters["frames"].values()) if "frames" in counters else 0
+
+
+def hf_generate_tokens_per_s(model, prompt_len: int, new_tokens: int, static_cache: bool = False,
+                             warmups: int = 2, reps: int = 2) -> dict:
+    """`transformers` greedy generate on the same weights: tokens/s (median of `reps`).
+
+    The warm-up runs exactly the timed call (same prompt, same number of new tokens, same cache) `warmups`
+    times: a static cache is sized by the call, so a shorter warm-up left `generate` to re-make the cache and
+    recompile inside the timed runs. `compiles_in_timed_runs` (torch's compiled-frame counter) shows it did not."""
     import torch
 
-    ids = torch.randint(0, model.config.vocab_size - 2, (1, prompt_len), device="cuda")
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    ids = torch.randint(0, model.config.vocab_size - 2, (1, prompt_len), device=model.device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if static_cache:
         model.generation_config.cache_implementation = "static"
-    model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))
-    times = []
-    for _ in range(2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(ids, **kw)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    model.generation_config.cache_implementation = None
-    return {"tokens_per_s": new_tokens / statistics.median(times), "new_tokens": new_tokens,
-            "cache_implementation": "static" if static_cache else "dynamic", "attn_implementation":
-            model.config._attn_implementation}
+    try:
+        for _ in range(warmups):
+            model.generate(ids, **kw)
+        sync()
+        before, times = _torch_compiles(), []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model.generate(ids, **kw)
+            sync()
+            times.append(time.perf_counter() - t0)
+        after = _torch_compiles()
+    finally:
+        model.generation_config.cache_implementation = None
+    return {"tokens_per_s": new_tokens / statistics.median(times), "new_tokens": new_tokens, "prompt": prompt_len,
+            "warmups": warmups, "reps": reps, "cache_implementation": "static" if static_cache else "dynamic",
+            "attn_implementation": model.config._attn_implementation,
+            "compiles_in_timed_runs": None if before is None or after is None else after - before}

@@ -34,7 +34,7 @@ if [[ -n "$tiny" ]]; then
   acceptance_args=(--batches 1 --taus 2 6.5)
   sweep_args=(--prompts 96)
 else
-  plain_args=()
+  plain_args=(--peer-static)
   acceptance_args=()
   sweep_args=()
 fi

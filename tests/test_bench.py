@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -131,3 +132,26 @@ def test_gemma4_tiny_measures_plain_and_round_phases_losslessly_over_a_ring(tmp_
     assert cell["plain"]["bytes"]["kv"] > 0 and cell["plain"]["roofline_ratio"] > 0
     assert all(cell["round"]["phases"][f"{k}_s"] > 0 for k in ("draft", "verify", "commit_ingest"))
     assert cell["prompt"] > payload["config"]["sliding_window"] + payload["ring_slack"], "the ring must wrap"
+
+
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_the_transformers_peer_is_warmed_up_with_exactly_the_call_it_is_timed_on(static_cache):
+    """A static cache is sized by the call: a warm-up of other shapes makes `generate` re-make it and recompile
+    inside the timed runs (the old 4-token warm-up measured 2.5 tok/s where the peer runs at 127.7)."""
+    import torch
+
+    calls = []
+    model = types.SimpleNamespace(device=torch.device("cpu"), config=types.SimpleNamespace(
+        vocab_size=50, _attn_implementation="sdpa"), generation_config=types.SimpleNamespace(cache_implementation=None))
+    model.generate = lambda ids, **kw: calls.append((tuple(ids.shape), ids.clone(), kw,
+                                                     model.generation_config.cache_implementation))
+    got = common.hf_generate_tokens_per_s(model, 12, 7, static_cache=static_cache, warmups=2, reps=3)
+    assert len(calls) == 5, "two warm-ups and three timed calls"
+    first = calls[0]
+    for shape, ids, kw, cache in calls:
+        assert shape == (1, 12) and torch.equal(ids, first[1]), "every call generates from the same prompt"
+        assert kw == first[2] and kw["max_new_tokens"] == kw["min_new_tokens"] == 7, "the warm-up must be timed shapes"
+        assert cache == ("static" if static_cache else None), "every call uses the cache that is timed"
+    assert model.generation_config.cache_implementation is None, "the model's cache setting is restored"
+    assert got["cache_implementation"] == ("static" if static_cache else "dynamic") and got["warmups"] == 2
+    assert got["compiles_in_timed_runs"] == 0, "nothing compiled between the warm-ups and the end of the timed runs"
