@@ -155,3 +155,14 @@ def test_the_transformers_peer_is_warmed_up_with_exactly_the_call_it_is_timed_on
     assert model.generation_config.cache_implementation is None, "the model's cache setting is restored"
     assert got["cache_implementation"] == ("static" if static_cache else "dynamic") and got["warmups"] == 2
     assert got["compiles_in_timed_runs"] == 0, "nothing compiled between the warm-ups and the end of the timed runs"
+
+
+def test_sampling_filter_bench_times_both_impls_with_identical_supports(tmp_path):
+    import sampling_filter
+
+    payload = sampling_filter.main(["--tiny", "--reps", "1", "--batches", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "sampling_filter_tiny.json").is_file()
+    assert {c["setting"] for c in payload["cells"]} == set(sampling_filter.SETTINGS)
+    for c in payload["cells"]:
+        assert c["same_support"], f"{c['setting']}: the candidate search and the sort keep different tokens"
+        assert c["candidates_us"] > 0 and c["sort_us"] > 0

@@ -227,6 +227,54 @@ def test_filters_match_hugging_face_warpers():
         np.testing.assert_allclose(np.exp(got), np.exp(want), atol=1e-5, err_msg=f"probs vs HF for {s}")
 
 
+def _cut_params(rng, b):
+    top_k = jnp.asarray(rng.choice([0, 1, 2, 5, 20, 400], size=(b, 1)), jnp.int32)
+    return top_k, jnp.asarray(rng.choice([1.0, 0.3, 0.9, 0.99], size=(b, 1)), jnp.float32)
+
+
+def test_the_candidate_search_gives_the_sorted_support_exactly_and_knows_when_it_cannot():
+    """Small groups make both outcomes common: where `exact` holds the candidates' cut is the full sort's, and the
+    filter's support (candidates, or the sort where any row is not exact) always equals the sort's."""
+    rng = np.random.default_rng(0)
+    outcomes = set()
+    cuts = jax.jit(S._candidate_cuts, static_argnums=(3, 4))
+    for trial in range(48):
+        v, (group, per_group) = (37, 250)[trial % 2], ((4, 1), (8, 2), (16, 3))[trial % 3]
+        z = rng.normal(size=(3, v)) * rng.choice([0.1, 1.0, 5.0])
+        z = jnp.asarray(np.round(z) if trial % 4 < 2 else z, jnp.float32)  # half the batches full of ties
+        top_k, top_p = _cut_params(rng, 3)
+        want = np.asarray(jax.jit(S._sorted_keep)(z, top_k, top_p))
+        exact, keep = (np.asarray(a) for a in cuts(z, top_k, top_p, group, per_group))
+        outcomes |= set(exact[:, 0].tolist())
+        np.testing.assert_array_equal(keep[exact[:, 0]], want[exact[:, 0]], err_msg=f"trial {trial}: an exact cut "
+                                      "differs from the sorted rule")
+        np.testing.assert_array_equal(np.asarray(jax.jit(S._candidate_keep)(z, top_k, top_p)), want)
+    assert outcomes == {True, False}, "the cases must exercise both the candidates and the fallback"
+
+
+def test_common_settings_over_a_real_vocabulary_need_no_sort_and_a_flat_top_p_falls_back():
+    v = 151936
+    z = jnp.asarray(np.random.default_rng(1).normal(size=(2, v)) * 3, jnp.float32)
+    for top_k, top_p, sorted_needed in ((50, 0.9, False), (1000, 1.0, False), (0, 0.5, False), (0, 0.9, True)):
+        k, p = jnp.full((2, 1), top_k, jnp.int32), jnp.full((2, 1), top_p, jnp.float32)
+        exact, keep = S._candidate_cuts(z, k, p)
+        assert bool(jnp.all(exact)) is not sorted_needed, f"top_k {top_k}, top_p {top_p}: exact = {exact}"
+        np.testing.assert_array_equal(np.asarray(S._candidate_keep(z, k, p)), np.asarray(S._sorted_keep(z, k, p)))
+
+
+def test_the_filter_gives_the_same_distribution_with_either_impl(monkeypatch):
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(4, 3, 300)) * 2, jnp.float32)
+    rp = row_params([Sampling(temperature=0.7, top_k=20, top_p=0.9), Sampling(temperature=1.0, top_p=0.5),
+                     Sampling(temperature=0.0), Sampling(temperature=1.3, top_k=5, min_p=0.1)], 4)
+    got = {}
+    for impl in S.FILTER_IMPLS:
+        monkeypatch.setattr(S, "FILTER_IMPL", impl)
+        got[impl] = np.asarray(jax.jit(filtered_logprobs)(logits, rp))
+    np.testing.assert_array_equal(np.isfinite(got["sort"]), np.isfinite(got["candidates"]))
+    np.testing.assert_allclose(np.exp(got["sort"]), np.exp(got["candidates"]), atol=1e-7)
+
+
 def test_temperature_zero_rows_are_one_hot_and_never_nan():
     logits = jnp.asarray([[1e30, -1e30, 0.0], [0.0, 0.0, 0.0]], jnp.float32)
     out = np.asarray(filtered_logprobs(logits, row_params(Sampling(top_p=0.5, min_p=0.5, top_k=1), 2)))
