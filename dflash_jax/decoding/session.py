@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import sampling as smp
+from dflash_jax import sharding
 from dflash_jax.config import check_fits_target, policy
 from dflash_jax.decoding import speculative as spec
 from dflash_jax.decoding.common import (
@@ -72,6 +73,7 @@ class Session:
         check_fits_target(drafter.config, target.config)
         check_dtypes(target, drafter)
         impl = policy.attention_impl(impl)
+        sharding.check_impl(impl, target, drafter)
         p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
         rows = smp.per_row(sampling, p.batch)
         smp.check_speculative(rows)
@@ -95,7 +97,8 @@ class Session:
         check_memory(target, drafter, p.batch, cap)
         t0 = time.perf_counter()
         self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                                target.init_state(p.batch, cap), drafter.init_state(p.batch, cap),
+                                sharding.place_state(target, target.init_state(p.batch, cap)),
+                                sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
                                 smp.row_params(rows, p.batch), self.stop_tokens, inject)
         self._lengths = p.lengths
         self._lock = threading.Lock()
