@@ -132,5 +132,5 @@ def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = Non
                    sharding.place_state(target, target.init_state(p.batch, cap)),
                    sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
                    smp.row_params(smp.Sampling(), p.batch), stop_array((), target.config.vocab_size))
-    tokens, logits, anchor = jax.device_get(out)
+    tokens, logits, anchor = sharding.fetch(out)
     return Proposal(np.asarray(tokens), np.asarray(logits, np.float32), np.asarray(anchor))

@@ -19,11 +19,13 @@ at load time, would make it local: not done yet).
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax import quant
@@ -200,6 +202,16 @@ def state_specs(state, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
+def device_bytes(shapes, mesh: Optional[Mesh]) -> int:
+    """Bytes one device holds of a state of `shapes` (ShapeDtypeStructs) placed by `state_specs` on `mesh`
+    (all of it without one)."""
+    specs = jax.tree.leaves(state_specs(shapes, mesh), is_leaf=lambda s: isinstance(s, PartitionSpec)) if mesh \
+        else [PartitionSpec()] * len(jax.tree.leaves(shapes))
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+               // math.prod(mesh.shape[a] for a in spec if a is not None)
+               for x, spec in zip(jax.tree.leaves(shapes), specs))
+
+
 def place_state(model, state):
     """A fresh decoding state of `model` (a Target or Drafter) placed on the mesh of its params (as they are
     without one), K/V split by KV heads and recurrent state by value heads as the weights that write them."""
@@ -207,6 +219,17 @@ def place_state(model, state):
     if mesh is None:
         return state
     return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, state_specs(state, mesh))
+
+
+def fetch(tree):
+    """`jax.device_get` of `tree`, gathering from every process the arrays that span devices of other processes
+    (a state split over hosts): each process gets the whole value."""
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(get, tree)
 
 
 def check_impl(impl: str, *models) -> None:

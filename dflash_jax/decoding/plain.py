@@ -149,7 +149,7 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
                                     sharding.place_state(target, target.init_state(p.batch, cap)), rp, stops))
     t1 = time.perf_counter()
     s = run(loop, target, s, stops)
-    out, n_out, nonfinite = jax.device_get((s.out, s.n_out, s.nonfinite))
+    out, n_out, nonfinite = sharding.fetch((s.out, s.n_out, s.nonfinite))
     t2 = time.perf_counter()
     check_finite(nonfinite, p.lengths)
     steps = jnp.maximum(jnp.asarray(n_out) - 1, 0)

@@ -111,7 +111,7 @@ class Session:
     def _fetch(self):
         """Host copies of what the bursts read: the output, its lengths, done and the counters."""
         s = self.state
-        self._out, self._n_out, self._done, self._nonfinite, self._counts = jax.device_get(
+        self._out, self._n_out, self._done, self._nonfinite, self._counts = sharding.fetch(
             (s.out, s.n_out, s.done, s.nonfinite, s.stats))
 
     @property
@@ -125,7 +125,7 @@ class Session:
         """Tokens held per row (prompt + generated tokens committed to the cache, including those a
         round made past the last burst)."""
         with self._lock:
-            return np.asarray(jax.device_get(self.state.target_state.seq_len))
+            return np.asarray(sharding.fetch(self.state.target_state.seq_len))
 
     @property
     def stats(self) -> Stats:
