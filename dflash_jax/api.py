@@ -40,9 +40,13 @@ def load_target(path, dtype=None, *, check_finite: bool = True, revision: Option
 
     `check_finite=False` skips refusing weights that hold NaN or Inf (one pass over each tensor).
     `precision` quantises the weights as they load (`config.policy.PRECISIONS`; keyword > DFLASH_TARGET_PREC >
-    as saved, bf16 for a float checkpoint). A quantised target changes the output: it is its own oracle."""
+    as saved, bf16 for a float checkpoint). A quantised target changes the output: it is its own oracle.
+
+    `mesh` (`sharding.make_mesh(tp=..., dp=...)`) places every tensor on its shards as it loads (`sharding.RULES`:
+    attention by heads, MLP by its inner dimension, the LM head by vocabulary); a dimension the mesh does not
+    divide is replicated, or refused with `strict=True`."""
     folder = hub.resolve(path, revision=revision, what="target")
-    target = checkpoints.read_target(folder, dtype, check_finite, precision)
+    target = checkpoints.read_target(folder, dtype, check_finite, precision, mesh=mesh, strict=strict)
     _FOLDERS[id(target)] = folder
     weakref.finalize(target, _FOLDERS.pop, id(target), None)
     return target

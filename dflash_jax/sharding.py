@@ -163,13 +163,9 @@ def placer(rules: Sequence, mesh: Optional[Mesh], strict: bool = False):
     return lambda path, value: place(value, param_spec(rules, path, value, mesh, strict), mesh)
 
 
-def _keys(path) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def param_specs(rules: Sequence, params, mesh: Mesh, strict: bool = False):
     """The params pytree with the PartitionSpec of every leaf (QWeights as one leaf)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: param_spec(rules, _keys(p), x, mesh, strict), params,
+    return jax.tree_util.tree_map_with_path(lambda p, x: param_spec(rules, quant.path_keys(p), x, mesh, strict), params,
                                             is_leaf=quant.is_quantized)
 
 
@@ -177,7 +173,7 @@ def shard_params(rules: Sequence, params, mesh: Mesh, strict: bool = False):
     """`params` placed on `mesh` by `rules`, leaf by leaf."""
     check_mesh(mesh)
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: place(x, param_spec(rules, _keys(p), x, mesh, strict), mesh), params, is_leaf=quant.is_quantized)
+        lambda p, x: place(x, param_spec(rules, quant.path_keys(p), x, mesh, strict), mesh), params, is_leaf=quant.is_quantized)
 
 
 def mesh_of(params) -> Optional[Mesh]:
