@@ -90,7 +90,8 @@ def family_run(target, drafter, mesh, sampled: bool = False) -> dict:
 def families(tp: int, dp: int) -> dict:
     mesh = sharding.make_mesh(tp=tp, dp=dp)
     dense = tiny_target(layers=2)
-    report = {"dense": family_run(dense, tiny_drafter(dense, 4, windows=(None,), tap_ids=(0, 1)), mesh, sampled=True)}
+    report = {"dense": family_run(dense, tiny_drafter(dense, 4, windows=(None,), tap_ids=(0, 1)), mesh,
+                                   sampled=tp * dp > 2)}
     if tp * dp == 2:
         return report
     moe = tiny_hybrid(experts=4)
