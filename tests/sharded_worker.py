@@ -110,6 +110,10 @@ def families(tp: int, dp: int) -> dict:
         write_drafter(os.path.join(tmp, "d"), drafter, dtype="float32")
         lt = dj.load_target(os.path.join(tmp, "t"), mesh=mesh)
         ld = dj.load_drafter(os.path.join(tmp, "d"), lt, mesh=mesh, replicated=True)
+        lq = dj.load_target(os.path.join(tmp, "t"), mesh=mesh, precision="q8_0")
+        report["loaded_q8_0"] = {"params": specs(lq.params), "shard_params": report["quantised"]["params"],
+                                 "tokens": [report["quantised"]["tokens"][0],
+                                            dj.generate(lq, None, PROMPTS, max_new_tokens=N).tokens]}
         report["loaded"] = {"params": specs(lt.params), "shard_params": specs(dj.shard(dense, mesh).params),
                             "drafter": specs(ld.params),
                             "tokens": [report["dense"]["plain_greedy"][0],

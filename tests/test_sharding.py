@@ -139,6 +139,12 @@ def test_load_places_every_tensor_as_shard_does_and_a_drafter_may_be_replicated(
     assert r["tokens"][1] == r["tokens"][0]
 
 
+def test_a_target_quantised_as_it_loads_is_placed_as_shard_places_a_quantised_one(four):
+    r = four["loaded_q8_0"]
+    assert r["params"] == r["shard_params"], "load_target(mesh=, precision='q8_0') and shard(quantize()) disagree"
+    assert r["tokens"][1] == r["tokens"][0]
+
+
 def test_a_dimension_the_mesh_does_not_divide_is_replicated_or_refused_with_strict(four):
     assert four["odd_vocab"]["['embed']"] == [] and four["odd_vocab"]["['lm_head']"] == [], \
         "a vocabulary of 65 over tp=2 is replicated"
