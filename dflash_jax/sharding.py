@@ -24,6 +24,7 @@ import re
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -102,7 +103,8 @@ def initialize_distributed(coordinator_address: str, num_processes: int, process
 def check_mesh(mesh: Mesh) -> None:
     """Refuse a mesh without the tensor-parallel axis (a missing data-parallel axis replicates the batch)."""
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (see dflash_jax.sharding.make_mesh); got {type(mesh).__name__}")
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (see dflash_jax.sharding.make_mesh); "
+                        f"got {type(mesh).__name__}")
     if TP not in mesh.axis_names:
         raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}; dflash_jax shards over an axis named {TP!r} "
                          f"(and batch rows over {DP!r}): build one with dflash_jax.sharding.make_mesh(tp=..., dp=...)")
@@ -158,7 +160,7 @@ def placer(rules: Sequence, mesh: Optional[Mesh], strict: bool = False):
     """`(path, value) -> value` placed by `rules` on `mesh` (for `io.names.load_params`, leaf by leaf); `jnp.asarray`
     to the default device without a mesh."""
     if mesh is None:
-        return lambda path, value: value if isinstance(value, quant.QWeight) else jax.numpy.asarray(value)
+        return lambda path, value: value if isinstance(value, quant.QWeight) else jnp.asarray(value)
     check_mesh(mesh)
     return lambda path, value: place(value, param_spec(rules, path, value, mesh, strict), mesh)
 
@@ -172,8 +174,8 @@ def param_specs(rules: Sequence, params, mesh: Mesh, strict: bool = False):
 def shard_params(rules: Sequence, params, mesh: Mesh, strict: bool = False):
     """`params` placed on `mesh` by `rules`, leaf by leaf."""
     check_mesh(mesh)
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: place(x, param_spec(rules, quant.path_keys(p), x, mesh, strict), mesh), params, is_leaf=quant.is_quantized)
+    specs = param_specs(rules, params, mesh, strict)
+    return jax.tree.map(lambda x, s: place(x, s, mesh), params, specs, is_leaf=quant.is_quantized)
 
 
 def mesh_of(params) -> Optional[Mesh]:
@@ -234,5 +236,5 @@ def check_impl(impl: str, *models) -> None:
     for m in models:
         mesh = None if m is None else mesh_of(m.params)
         if impl == "pallas" and mesh is not None and mesh.size > 1:
-            raise ValueError(f"impl='pallas' is not yet supported for models sharded over a mesh of {mesh.size} devices "
-                             f"(axes {dict(mesh.shape)}); use impl='xla', or load without mesh=")
+            raise ValueError(f"impl='pallas' is not yet supported for models sharded over a mesh of {mesh.size} "
+                             f"devices (axes {dict(mesh.shape)}); use impl='xla', or load without mesh=")
