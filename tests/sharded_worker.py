@@ -119,6 +119,14 @@ def families(tp: int, dp: int) -> dict:
                             "tokens": [report["dense"]["plain_greedy"][0],
                                        dj.generate(lt, None, PROMPTS, max_new_tokens=N).tokens]}
 
+    from test_dflash2 import tiny_dflash2
+    from test_dspark import tiny_dspark
+    for name, d in (("dspark", tiny_dspark(dense, markov=True, confidence=True, verify_policy="confidence")),
+                    ("dflash2", tiny_dflash2(dense))):
+        placed = dj.shard(d, mesh)
+        report[name] = {"params": specs(placed.params), "mismatches": spec_mismatches(
+            placed.params, sharding.param_specs(sharding.RULES[name], placed.params, mesh))}
+
     odd = tiny_target(vocab=65, layers=2)
     report["odd_vocab"] = specs(dj.shard(odd, mesh).params)
     try:

@@ -123,6 +123,15 @@ def test_gemma4_full_layers_with_one_kv_head_keep_their_cache_whole_on_every_ten
     assert s[".k[1]"] == ["dp"], "full layers have 1 KV head: replicated over tp, rows still over dp"
 
 
+def test_dspark_and_dflash2_heads_split_by_vocabulary(four):
+    assert not four["dspark"]["mismatches"] and not four["dflash2"]["mismatches"]
+    p, q = four["dspark"]["params"], four["dflash2"]["params"]
+    assert p["['markov_w1']"] == ["tp"] and p["['markov_w2']"] == [None, "tp"], "Markov tables [V, r] and [r, V]"
+    assert p["['confidence_w']"] == [], "the confidence head is replicated"
+    assert q["['selector_pred']"] == ["tp"] and q["['selector_succ']"] == ["tp"], "codebooks [V, r]"
+    assert q["['layers_0']['wq']"] == [None, "tp"] and q["['layers_0']['wkv']"] == [None, "tp"]
+
+
 def test_quantised_weights_split_along_their_output_axis_and_decode_the_same(four):
     q = four["quantised"]
     assert q["tokens"][1] == q["tokens"][0], "a sharded q8_0 target changed the tokens"
