@@ -126,7 +126,7 @@ def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = Non
     token as anchor, and draft one block (greedy)."""
     check_fits_target(drafter.config, target.config)
     check_dtypes(target, drafter)
-    impl = policy.attention_impl(impl)
+    impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target, drafter))
     sharding.check_impl(impl, target, drafter)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.n_drafts + 1, None)

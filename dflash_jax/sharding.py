@@ -230,11 +230,16 @@ def fetch(tree):
     return jax.tree.map(get, tree)
 
 
+def spans_devices(*models) -> bool:
+    """Whether any of `models` (Targets, Drafters, or None) has its params on a mesh of several devices."""
+    meshes = [mesh_of(m.params) for m in models if m is not None]
+    return any(mesh is not None and mesh.size > 1 for mesh in meshes)
+
+
 def check_impl(impl: str, *models) -> None:
     """Refuse `impl="pallas"` for models placed on a mesh of several devices: the kernels are not yet wrapped in
-    `shard_map`, and SPMD cannot partition a Pallas call."""
-    for m in models:
-        mesh = None if m is None else mesh_of(m.params)
-        if impl == "pallas" and mesh is not None and mesh.size > 1:
-            raise ValueError(f"impl='pallas' is not yet supported for models sharded over a mesh of {mesh.size} "
-                             f"devices (axes {dict(mesh.shape)}); use impl='xla', or load without mesh=")
+    `shard_map`, and SPMD cannot partition a Pallas call (`config.policy.attention_impl` defaults to "xla" there)."""
+    if impl == "pallas" and spans_devices(*models):
+        meshes = {str(dict(mesh_of(m.params).shape)) for m in models if m is not None and mesh_of(m.params)}
+        raise ValueError(f"impl='pallas' is not yet supported for models sharded over several devices (mesh "
+                         f"{', '.join(sorted(meshes))}); use impl='xla' (the default there), or load without mesh=")

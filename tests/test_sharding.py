@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 import dflash_jax as dj
 from conftest import tiny_target
 from dflash_jax import sharding
+from dflash_jax.config import policy
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_worker.py")
 ROOT = os.path.dirname(os.path.dirname(WORKER))
@@ -172,6 +173,14 @@ def test_pallas_under_a_mesh_is_refused(four):
     assert four["pallas"] and "impl='pallas' is not yet supported" in four["pallas"], four["pallas"]
 
 
+def test_attention_defaults_to_xla_for_sharded_models_even_on_a_gpu():
+    assert policy.attention_impl(None, env={}, backend="gpu") == "pallas"
+    assert policy.attention_impl(None, env={}, backend="gpu", sharded=True) == "xla", \
+        "the kernels are not yet wrapped in shard_map: a sharded model must not get them by default"
+    assert policy.attention_impl(None, env={"DFLASH_ATTENTION": "pallas"}, backend="gpu", sharded=True) == "pallas", \
+        "an explicit choice stands (and check_impl refuses it by name)"
+
+
 def test_a_mesh_without_the_tensor_axis_is_refused():
     mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
     with pytest.raises(ValueError, match="axis named 'tp'"):
@@ -185,6 +194,8 @@ def test_an_unsharded_model_keeps_its_state_where_it_was():
     state = target.init_state(1, 4)
     assert sharding.mesh_of(target.params) is None
     assert sharding.place_state(target, state) is state, "without a mesh nothing moves"
+    one = dj.shard(target, sharding.make_mesh(tp=1))
+    assert not sharding.spans_devices(target, None, one), "a mesh of one device spans one device"
 
 
 def _free_port() -> int:

@@ -134,7 +134,7 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
                    sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
                    capacity: Optional[int] = None, impl: Optional[str] = None, lengths=None) -> Result:
     """Autoregressive decoding as one jitted `lax.while_loop` after a jitted prefill."""
-    impl = policy.attention_impl(impl)
+    impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target))
     sharding.check_impl(impl, target)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, 1, capacity)

@@ -72,7 +72,7 @@ class Session:
                  verify_t: Optional[int] = None, verify_buckets=None, lengths=None):
         check_fits_target(drafter.config, target.config)
         check_dtypes(target, drafter)
-        impl = policy.attention_impl(impl)
+        impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target, drafter))
         sharding.check_impl(impl, target, drafter)
         p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
         rows = smp.per_row(sampling, p.batch)
