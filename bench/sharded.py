@@ -30,7 +30,6 @@ import sys
 if "--tiny" in sys.argv:  # the virtual devices must exist before JAX starts
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 

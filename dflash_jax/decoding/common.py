@@ -8,7 +8,6 @@ used here (docs/architecture.md).
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import os
 from collections.abc import Iterable

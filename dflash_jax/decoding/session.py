@@ -13,7 +13,6 @@ import threading
 import time
 from typing import Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
