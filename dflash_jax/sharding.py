@@ -179,12 +179,11 @@ def shard_params(rules: Sequence, params, mesh: Mesh, strict: bool = False):
 
 
 def mesh_of(params) -> Optional[Mesh]:
-    """The mesh the params were placed on by these rules, or None (one device, as loaded without a mesh)."""
-    for x in jax.tree.leaves(params):
-        s = getattr(x, "sharding", None)
-        if isinstance(s, NamedSharding):
-            return s.mesh
-    return None
+    """The mesh the params were placed on by these rules, or None (one device, as loaded without a mesh). The
+    rules place every leaf, so the first one says: a call costs no walk over the params."""
+    leaves = jax.tree.leaves(params)
+    s = getattr(leaves[0], "sharding", None) if leaves else None
+    return s.mesh if isinstance(s, NamedSharding) else None
 
 
 def state_specs(state, mesh: Mesh):
@@ -227,6 +226,8 @@ def fetch(tree):
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return jax.device_get(x)
 
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
     return jax.tree.map(get, tree)
 
 
