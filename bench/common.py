@@ -18,6 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dflash_jax import quant, sharding  # noqa: E402
 from dflash_jax.config import DrafterConfig, RopeConfig, TargetConfig  # noqa: E402
 from dflash_jax.drafters.base import Drafter  # noqa: E402
 from dflash_jax.io import names  # noqa: E402
@@ -49,9 +50,10 @@ def drafter_config(target: TargetConfig, block_size: int = 16, num_layers: int =
                          vocab_size=target.vocab_size)
 
 
-def _random_tree(shapes, dtype, seed: int):
-    """Random weights made on the device, one leaf at a time (no host copy of 16 GB)."""
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+def _random_tree(shapes, dtype, seed: int, place=None):
+    """Random weights made on the device, one leaf at a time (no host copy of 16 GB), each handed to
+    `place(path, leaf)` as it is made (`sharding.placer`: its shards of a mesh, so no device holds a whole 70B)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
 
     def make(key, shape):
         if len(shape) == 1:
@@ -59,14 +61,15 @@ def _random_tree(shapes, dtype, seed: int):
         return (jax.random.normal(key, shape, jnp.float32) * (1.0 / np.sqrt(shape[0]))).astype(dtype)
 
     make = jax.jit(make, static_argnums=(1,))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [make(k, s) for k, s in zip(keys, leaves)])
+    place = place or (lambda path, x: x)
+    keys = jax.random.split(jax.random.key(seed), len(flat))
+    return jax.tree.unflatten(treedef, [place(quant.path_keys(p), make(k, s)) for k, (p, s) in zip(keys, flat)])
 
 
 RESIDUAL_SCALE = 0.1  # of the attention and MLP output projections in `random_target`
 
 
-def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0) -> Target:
+def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0, mesh=None) -> Target:
     """Random weights with a planted next-token map, so greedy argmax has a wide margin.
 
     Plain random weights make a chaotic model whose logits are nearly flat: a 16-row verify
@@ -77,9 +80,12 @@ def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0) -> Targe
     current token's embedding) and the LM head's column `j` is the embedding of token
     `perm[j]`, so the target predicts `perm^-1(current token)` with a margin of thousands of
     logits: a long non-repeating cycle. Speed does not depend on the values; every matrix
-    keeps its shape and remains dense random bf16.
+    keeps its shape and remains dense random bf16. With a `mesh` every leaf is placed by the family's sharding
+    rules as it is made.
     """
-    params = _random_tree(target_family(cfg).param_shapes(cfg), dtype, seed)
+    rules = target_family(cfg).sharding_rules()
+    place = None if mesh is None else sharding.placer(rules, mesh)
+    params = _random_tree(target_family(cfg).param_shapes(cfg), dtype, seed, place)
     k_embed, k_perm = jax.random.split(jax.random.key(seed + 7919))
     embed = jax.jit(lambda k: jax.random.normal(k, (cfg.vocab_size, cfg.hidden_size), jnp.float32).astype(dtype))(
         k_embed)
@@ -91,11 +97,13 @@ def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0) -> Targe
     if not cfg.tie_word_embeddings:
         params["lm_head"] = jax.jit(lambda e, k: jnp.take(e, jax.random.permutation(k, e.shape[0]), axis=0).T)(
             embed, k_perm)
-    return make_target(cfg, params)
+    return make_target(cfg, params if mesh is None else sharding.shard_params(rules, params, mesh))
 
 
-def random_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 1) -> Drafter:
-    return make_drafter(cfg, _random_tree(drafter_family(cfg).param_shapes(cfg), dtype, seed))
+def random_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 1, mesh=None) -> Drafter:
+    rules = drafter_family(cfg).sharding_rules()
+    return make_drafter(cfg, _random_tree(drafter_family(cfg).param_shapes(cfg), dtype, seed,
+                                          None if mesh is None else sharding.placer(rules, mesh)))
 
 
 def nbytes(tree) -> int:

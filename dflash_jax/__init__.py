@@ -5,7 +5,7 @@
     out = dflash_jax.generate_text(target, drafter, "Write a haiku.", chat=True, max_new_tokens=256)
     out.texts[0], out.stats.acceptance_length
 """
-from dflash_jax.api import Proposal, generate, load_drafter, load_target, propose
+from dflash_jax.api import Proposal, generate, load_drafter, load_target, propose, shard
 from dflash_jax.config import CheckpointError, DrafterConfig, TargetConfig
 from dflash_jax.decoding.common import Result, Stats
 from dflash_jax.decoding.session import Burst, Session
@@ -23,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Burst", "CheckpointError", "Demo", "Drafter", "DrafterConfig", "HubError", "Injected", "Proposal", "Result",
     "Sampling", "Session", "Stats", "StreamChunk", "Target", "TargetConfig", "TextResult", "Tokenizer", "generate",
-    "generate_text", "load_demo", "load_drafter", "load_target", "load_tokenizer", "propose", "quantize", "stream",
+    "generate_text", "load_demo", "load_drafter", "load_target", "load_tokenizer", "propose", "quantize", "shard", "stream",
 ]

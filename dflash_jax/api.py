@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import hub
+from dflash_jax import hub, sharding
 from dflash_jax import sampling as smp
 from dflash_jax.config import check_fits_target, policy
 from dflash_jax.decoding import speculative as spec
@@ -34,32 +34,46 @@ def source_folder(target: Target) -> Optional[str]:
 
 
 def load_target(path, dtype=None, *, check_finite: bool = True, revision: Optional[str] = None,
-                precision: Optional[str] = None) -> Target:
+                precision: Optional[str] = None, mesh=None, strict: bool = False) -> Target:
     """A Hugging Face Qwen3/Llama folder or repo id ("Qwen/Qwen3-8B", at `revision`, through the local
     Hugging Face cache: see `hub.resolve`) as a `Target`; `dtype=None` keeps the checkpoint's.
 
     `check_finite=False` skips refusing weights that hold NaN or Inf (one pass over each tensor).
     `precision` quantises the weights as they load (`config.policy.PRECISIONS`; keyword > DFLASH_TARGET_PREC >
-    as saved, bf16 for a float checkpoint). A quantised target changes the output: it is its own oracle."""
+    as saved, bf16 for a float checkpoint). A quantised target changes the output: it is its own oracle.
+
+    `mesh` (`sharding.make_mesh(tp=..., dp=...)`) places every tensor on its shards as it loads (`sharding.RULES`:
+    attention by heads, MLP by its inner dimension, the LM head by vocabulary); a dimension the mesh does not
+    divide is replicated, or refused with `strict=True`."""
     folder = hub.resolve(path, revision=revision, what="target")
-    target = checkpoints.read_target(folder, dtype, check_finite, precision)
+    target = checkpoints.read_target(folder, dtype, check_finite, precision, mesh=mesh, strict=strict)
     _FOLDERS[id(target)] = folder
     weakref.finalize(target, _FOLDERS.pop, id(target), None)
     return target
 
 
 def load_drafter(path, target: Target | None = None, dtype=None, *, check_finite: bool = True,
-                 revision: Optional[str] = None, precision: Optional[str] = None, **overrides) -> Drafter:
+                 revision: Optional[str] = None, precision: Optional[str] = None, mesh=None, replicated: bool = False,
+                 strict: bool = False, **overrides) -> Drafter:
     """A drafter folder or repo id (z-lab `DFlashDraftModel`, `DSparkDraftModel`; ids as for
     `load_target`) as a `Drafter`, checked against `target` when given.
 
     With a target the drafter computes in the target's dtype: `dtype=None` casts it, another dtype is
     refused naming both. `check_finite` as for `load_target`. `precision` quantises the weights as they load
     (keyword > DFLASH_PREC > as saved); the target still decides every token, so the output does not change.
-    `overrides` set census fields by name (e.g. `block_size=8`, `harvest="dflash"`)."""
+    `overrides` set census fields by name (e.g. `block_size=8`, `harvest="dflash"`). `mesh` and `strict` as for
+    `load_target`; `replicated=True` keeps every leaf whole on every device (a small drafter then runs without
+    collectives)."""
     folder = hub.resolve(path, revision=revision, what="drafter")
     return checkpoints.read_drafter(folder, target.config if target is not None else None, dtype,
-                                    check_finite=check_finite, precision=precision, **overrides)
+                                    check_finite=check_finite, precision=precision, mesh=mesh, replicated=replicated,
+                                    strict=strict, **overrides)
+
+
+def shard(model, mesh, *, replicated: bool = False, strict: bool = False):
+    """An already built Target or Drafter (a random model, `make_target`) with its params placed on `mesh` as
+    `load_target(..., mesh=)` places them; decoding then places its caches to match."""
+    return checkpoints.shard(model, mesh, replicated, strict)
 
 
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),
@@ -112,13 +126,15 @@ def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = Non
     token as anchor, and draft one block (greedy)."""
     check_fits_target(drafter.config, target.config)
     check_dtypes(target, drafter)
-    impl = policy.attention_impl(impl)
+    impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target, drafter))
+    sharding.check_impl(impl, target, drafter)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.n_drafts + 1, None)
     check_memory(target, drafter, p.batch, cap)
     loop = spec.Loop(1, p.chunk, True, "argmax", impl, drafter.n_drafts + 1)
     out = _propose(loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                   target.init_state(p.batch, cap), drafter.init_state(p.batch, cap),
+                   sharding.place_state(target, target.init_state(p.batch, cap)),
+                   sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
                    smp.row_params(smp.Sampling(), p.batch), stop_array((), target.config.vocab_size))
-    tokens, logits, anchor = jax.device_get(out)
+    tokens, logits, anchor = sharding.fetch(out)
     return Proposal(np.asarray(tokens), np.asarray(logits, np.float32), np.asarray(anchor))

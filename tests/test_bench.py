@@ -166,3 +166,20 @@ def test_sampling_filter_bench_times_both_impls_with_identical_supports(tmp_path
     for c in payload["cells"]:
         assert c["same_support"], f"{c['setting']}: the candidate search and the sort keep different tokens"
         assert c["candidates_us"] > 0 and c["sort_us"] > 0
+
+
+def test_sharded_bench_tiny_runs_losslessly_on_two_virtual_devices(tmp_path):
+    """`bench/sharded.py --tiny` in a process of its own (its 2 virtual CPU devices exist before JAX starts)."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sharded.py"), "--tiny", "--out", str(tmp_path),
+                          "--reps", "1", "--new", "16", "--calls", "2", "--phase-reps", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=os.path.join(ROOT, "bench"),
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "sharded_tiny.json") as f:
+        payload = json.load(f)
+    assert payload["devices"] == 2 and {c["tp"] for c in payload["cells"]} == {1, 2}
+    for c in payload["cells"]:
+        assert c["lossless"], f"tp={c['tp']}: speculative tokens differ from plain on the mesh"
+        assert c["runs_recompiled"] == 0, f"tp={c['tp']}: the fused loop compiled after its warm-up"
+        assert c["roofline_ratio"] > 0 and c["speedup_at_tau"] > 0
+    assert payload["tp_speedup"] > 0

@@ -158,12 +158,13 @@ ATTENTION_IMPLS = ("xla", "pallas")
 
 
 def attention_impl(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]] = os.environ,
-                   backend: Optional[str] = None) -> str:
+                   backend: Optional[str] = None, sharded: bool = False) -> str:
     """Attention implementation: keyword > DFLASH_ATTENTION > 'pallas' on GPU (faster at every
-    benchmarked shape, bench/results/kernel_check.json), 'xla' elsewhere."""
+    benchmarked shape, bench/results/kernel_check.json), 'xla' elsewhere and for models `sharded` over
+    several devices (the kernels are not yet wrapped in `shard_map`: `sharding.check_impl`)."""
     import jax
 
-    default = "pallas" if (backend or jax.default_backend()) == "gpu" else "xla"
+    default = "pallas" if (backend or jax.default_backend()) == "gpu" and not sharded else "xla"
     return resolve_choice("attention", kwarg, default, ATTENTION_IMPLS, env)
 
 

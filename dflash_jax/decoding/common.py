@@ -8,7 +8,6 @@ used here (docs/architecture.md).
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import os
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ import numpy as np
 
 from dflash_jax import quant
 from dflash_jax import sampling as smp
+from dflash_jax import sharding
 from dflash_jax.cache import write_rows
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.targets.base import Target
@@ -193,23 +193,26 @@ _STATE_BYTES: dict = {}
 
 def cache_bytes(target: Target, drafter: Optional[Drafter], batch: int, capacity: int) -> int:
     """Bytes of the empty decoding states (target, and drafter when given) for `batch` rows of
-    `capacity` positions, from their abstract shapes: nothing is allocated. Memoised by shape key
-    (never holding the models), as tracing `init_state` costs about 2 ms on every `generate` call."""
-    key = (_shape_key(target), _shape_key(drafter), int(batch), int(capacity))
+    `capacity` positions on one device (a state placed on a mesh holds a share of each split leaf, as
+    `sharding.place_state` splits it), from their abstract shapes: nothing is allocated. Memoised by
+    shape key (never holding the models), as tracing `init_state` costs about 2 ms on every `generate` call."""
+    models = (target,) if drafter is None else (target, drafter)
+    meshes = tuple(sharding.mesh_of(m.params) for m in models)
+    key = (_shape_key(target), _shape_key(drafter), int(batch), int(capacity),
+           tuple(None if m is None else tuple(m.shape.items()) for m in meshes))
     if key not in _STATE_BYTES:
-        shapes = jax.eval_shape(lambda: (target.init_state(batch, capacity),
-                                         None if drafter is None else drafter.init_state(batch, capacity)))
         if len(_STATE_BYTES) >= 256:
             _STATE_BYTES.clear()
-        _STATE_BYTES[key] = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+        _STATE_BYTES[key] = sum(sharding.device_bytes(jax.eval_shape(lambda m=m: m.init_state(batch, capacity)), mesh)
+                                for m, mesh in zip(models, meshes))
     return _STATE_BYTES[key]
 
 
 def free_memory(device=None) -> tuple[Optional[int], str]:
-    """`(bytes free, where)` for arrays on `device` (default: JAX's first device): its allocator's
+    """`(bytes free, where)` for arrays on `device` (default: this process's first device): its allocator's
     `bytes_limit - bytes_in_use`, or for the CPU, which reports no memory stats, the host's
     available memory (MemAvailable, within a cgroup v2 limit). None when nothing says."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device}"
@@ -397,7 +400,7 @@ class Stats:
 def make_stats(n_out, rounds, accepted, committed, drafted, accept_hist, nonfinite, prefill_s: float,
                decode_s: float) -> Stats:
     """`Stats` from per-row device counters (`accept_hist` int[B, nd + 1], `nonfinite` int[B], -1: none)."""
-    rounds, accepted, committed, drafted, hist, nonfinite, n_out = (np.asarray(x) for x in jax.device_get(
+    rounds, accepted, committed, drafted, hist, nonfinite, n_out = (np.asarray(x) for x in sharding.fetch(
         (rounds, accepted, committed, drafted, accept_hist, nonfinite, n_out)))
     total_hist = hist.sum(axis=0)
     return Stats(

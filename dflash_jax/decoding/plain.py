@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax import sampling as smp
+from dflash_jax import sharding
 from dflash_jax.config import policy
 from dflash_jax.decoding.common import (
     Result,
@@ -133,7 +134,8 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
                    sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
                    capacity: Optional[int] = None, impl: Optional[str] = None, lengths=None) -> Result:
     """Autoregressive decoding as one jitted `lax.while_loop` after a jitted prefill."""
-    impl = policy.attention_impl(impl)
+    impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target))
+    sharding.check_impl(impl, target)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, 1, capacity)
     samplings = smp.per_row(sampling, p.batch)
@@ -144,10 +146,10 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
                      any(s.has_penalties for s in samplings), impl)
     t0 = time.perf_counter()
     s = jax.block_until_ready(start(loop, target, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                                    target.init_state(p.batch, cap), rp, stops))
+                                    sharding.place_state(target, target.init_state(p.batch, cap)), rp, stops))
     t1 = time.perf_counter()
     s = run(loop, target, s, stops)
-    out, n_out, nonfinite = jax.device_get((s.out, s.n_out, s.nonfinite))
+    out, n_out, nonfinite = sharding.fetch((s.out, s.n_out, s.nonfinite))
     t2 = time.perf_counter()
     check_finite(nonfinite, p.lengths)
     steps = jnp.maximum(jnp.asarray(n_out) - 1, 0)

@@ -13,11 +13,11 @@ import threading
 import time
 from typing import Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import sampling as smp
+from dflash_jax import sharding
 from dflash_jax.config import check_fits_target, policy
 from dflash_jax.decoding import speculative as spec
 from dflash_jax.decoding.common import (
@@ -71,7 +71,8 @@ class Session:
                  verify_t: Optional[int] = None, verify_buckets=None, lengths=None):
         check_fits_target(drafter.config, target.config)
         check_dtypes(target, drafter)
-        impl = policy.attention_impl(impl)
+        impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target, drafter))
+        sharding.check_impl(impl, target, drafter)
         p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
         rows = smp.per_row(sampling, p.batch)
         smp.check_speculative(rows)
@@ -95,7 +96,8 @@ class Session:
         check_memory(target, drafter, p.batch, cap)
         t0 = time.perf_counter()
         self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                                target.init_state(p.batch, cap), drafter.init_state(p.batch, cap),
+                                sharding.place_state(target, target.init_state(p.batch, cap)),
+                                sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
                                 smp.row_params(rows, p.batch), self.stop_tokens, inject)
         self._lengths = p.lengths
         self._lock = threading.Lock()
@@ -108,7 +110,7 @@ class Session:
     def _fetch(self):
         """Host copies of what the bursts read: the output, its lengths, done and the counters."""
         s = self.state
-        self._out, self._n_out, self._done, self._nonfinite, self._counts = jax.device_get(
+        self._out, self._n_out, self._done, self._nonfinite, self._counts = sharding.fetch(
             (s.out, s.n_out, s.done, s.nonfinite, s.stats))
 
     @property
@@ -122,7 +124,7 @@ class Session:
         """Tokens held per row (prompt + generated tokens committed to the cache, including those a
         round made past the last burst)."""
         with self._lock:
-            return np.asarray(jax.device_get(self.state.target_state.seq_len))
+            return np.asarray(sharding.fetch(self.state.target_state.seq_len))
 
     @property
     def stats(self) -> Stats:

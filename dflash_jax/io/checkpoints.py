@@ -11,7 +11,7 @@ import os
 import warnings
 from typing import Callable, Mapping, Optional
 
-from dflash_jax import quant
+from dflash_jax import quant, sharding
 from dflash_jax.config import (
     FAMILY_NAMES,
     CheckpointError,
@@ -50,12 +50,14 @@ from dflash_jax.targets.base import Target
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One family: its interface class, `shapes(cfg)` (the module's params as ShapeDtypeStructs),
-    `name_map(cfg)` (Hugging Face names) and `init(cfg, seed)` (fresh float32 params)."""
+    `name_map(cfg)` (Hugging Face names), `init(cfg, seed)` (fresh float32 params) and `rules`, its table in
+    `sharding.RULES`."""
 
     cls: type
     shapes: Callable
     name_map: Callable
     init: Callable
+    rules: str
 
     def param_shapes(self, cfg) -> dict:
         """The params pytree of `cfg` with shape tuples as leaves."""
@@ -86,14 +88,20 @@ class Family:
         self.check(cfg, params)
         return self.cls(cfg, params)
 
+    def sharding_rules(self, replicated: bool = False) -> list:
+        """This family's `sharding.RULES` table (none: every leaf whole on every device, with `replicated`)."""
+        return [] if replicated else sharding.RULES[self.rules]
+
     def read(self, cfg, infos: Mapping, dtype: str, check_finite: bool = True, precision: str = "bf16",
-             stored: str = "bf16"):
+             stored: str = "bf16", mesh=None, replicated: bool = False, strict: bool = False):
         """The interface object over the checkpoint's tensors `infos`, read one at a time in `dtype`
         (each refused if it holds NaN or Inf, with `check_finite`), its weights at `precision`: read packed
-        from a checkpoint saved quantised (`stored`, which must then be `precision`), else quantised here."""
+        from a checkpoint saved quantised (`stored`, which must then be `precision`), else quantised here. With a
+        `mesh` each leaf goes straight to its shards (`sharding.placer`; `replicated` and `strict` as there)."""
+        place = sharding.placer(self.sharding_rules(replicated), mesh, strict)
         with tensor_reader(infos, dtype, check_finite) as get:
             return self.make(cfg, names.load_params(self.name_map(cfg), get, self.formats(cfg, precision),
-                                                    stored != "bf16", dtype))
+                                                    stored != "bf16", dtype, place))
 
     def write(self, path, model, config: Mapping, dtype: str, shard_bytes: Optional[int]) -> None:
         """`config.json` and the tensors of `model` (a Target or Drafter of this family) under `path`."""
@@ -103,16 +111,17 @@ class Family:
         write_tensors(path, names.hf_tensors(self.name_map(model.config), model.params, dtype), shard_bytes)
 
 
-_DENSE = Family(dense.DenseTarget, dense.param_shapes, dense_names.name_map, dense.init_params)
-_HYBRID = Family(hybrid.HybridTarget, hybrid.param_shapes, hybrid_names.name_map, hybrid.init_params)
-_GEMMA4 = Family(gemma4.Gemma4Target, gemma4.param_shapes, gemma4_names.name_map, gemma4.init_params)
+_DENSE = Family(dense.DenseTarget, dense.param_shapes, dense_names.name_map, dense.init_params, "dense")
+_HYBRID = Family(hybrid.HybridTarget, hybrid.param_shapes, hybrid_names.name_map, hybrid.init_params, "hybrid")
+_GEMMA4 = Family(gemma4.Gemma4Target, gemma4.param_shapes, gemma4_names.name_map, gemma4.init_params, "gemma4")
 TARGET_FAMILIES = {"qwen3": _DENSE, "llama": _DENSE, "qwen3_5": _HYBRID, "qwen3_5_moe": _HYBRID, "qwen3_next": _HYBRID,
                    "gemma4": _GEMMA4}
 """Target families by `TargetConfig.arch`."""
 DRAFTER_FAMILIES = {
-    "dflash": Family(dflash.DFlashDrafter, dflash.param_shapes, dflash_names.name_map, dflash.init_params),
-    "dspark": Family(dspark.DSparkDrafter, dspark.param_shapes, dspark_names.name_map, dspark.init_params),
-    "dflash2": Family(dflash2.DFlash2Drafter, dflash2.param_shapes, dflash2_names.name_map, dflash2.init_params),
+    "dflash": Family(dflash.DFlashDrafter, dflash.param_shapes, dflash_names.name_map, dflash.init_params, "dflash"),
+    "dspark": Family(dspark.DSparkDrafter, dspark.param_shapes, dspark_names.name_map, dspark.init_params, "dspark"),
+    "dflash2": Family(dflash2.DFlash2Drafter, dflash2.param_shapes, dflash2_names.name_map, dflash2.init_params,
+                      "dflash2"),
 }
 """Drafter families, by `DrafterConfig.family`."""
 
@@ -154,6 +163,13 @@ def make_target(cfg: TargetConfig, params) -> Target:
     return target_family(cfg).make(cfg, params)
 
 
+def shard(model, mesh, replicated: bool = False, strict: bool = False):
+    """`model` (a built Target or Drafter) with its params placed on `mesh` by its family's `sharding.RULES`
+    (every leaf whole on every device with `replicated`; `strict` as `sharding.spec_for`)."""
+    family = drafter_family(model.config) if isinstance(model, Drafter) else target_family(model.config)
+    return model.replace(params=sharding.shard_params(family.sharding_rules(replicated), model.params, mesh, strict))
+
+
 def make_drafter(cfg: DrafterConfig, params) -> Drafter:
     """The Drafter of `cfg`'s family over `params` (checked against the module's shapes)."""
     return drafter_family(cfg).make(cfg, params)
@@ -189,13 +205,15 @@ def inspect_target(path) -> tuple:
     return cfg, infos
 
 
-def read_target(path, dtype=None, check_finite: bool = True, precision: Optional[str] = None, env=None) -> Target:
+def read_target(path, dtype=None, check_finite: bool = True, precision: Optional[str] = None, env=None, *,
+                mesh=None, strict: bool = False) -> Target:
     """A supported target directory (`TARGET_FAMILIES`) as a Target.
 
     dtype None keeps the checkpoint's dtype (its config's, else the embedding's; float64 is read as
     float32); params are converted tensor by tensor and `config.dtype` records the dtype they hold.
     `check_finite` refuses a tensor holding NaN or Inf in that dtype. `precision` (`load_precision`:
-    keyword > DFLASH_TARGET_PREC > as saved) quantises the weights as they are read.
+    keyword > DFLASH_TARGET_PREC > as saved) quantises the weights as they are read. With a `mesh` each tensor is
+    placed on its shards as it is read (`sharding.RULES`; `strict` refuses a dimension the mesh does not divide).
     """
     cfg, infos = inspect_target(path)
     precision, stored, _ = load_precision(path, read_config(path), precision, env, target=True)
@@ -207,7 +225,7 @@ def read_target(path, dtype=None, check_finite: bool = True, precision: Optional
     with naming_config(path):
         dtype = load_dtype(dtype, read_config(path), infos, cfg.text_prefix + "embed_tokens.weight")
     cfg = dataclasses.replace(cfg, dtype=dtype)
-    return target_family(cfg).read(cfg, infos, dtype, check_finite, precision, stored)
+    return target_family(cfg).read(cfg, infos, dtype, check_finite, precision, stored, mesh, strict=strict)
 
 
 def write_target(path, target: Target, dtype="bfloat16", shard_bytes: Optional[int] = None, *,
@@ -277,8 +295,10 @@ def inspect_drafter(path, target_cfg: Optional[TargetConfig] = None, env=None, *
 
 
 def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, env=None, check_finite: bool = True,
-                 precision: Optional[str] = None, **overrides) -> Drafter:
-    """A drafter directory as a Drafter of its family, checked against `target_cfg` when given.
+                 precision: Optional[str] = None, mesh=None, replicated: bool = False, strict: bool = False,
+                 **overrides) -> Drafter:
+    """A drafter directory as a Drafter of its family, checked against `target_cfg` when given; `mesh`,
+    `replicated` and `strict` place it as they place a target (`Family.read`).
 
     Unknown tensors of a DFlash checkpoint are ignored with a warning (also in `config.warnings`). With a target, the
     drafter is computed in the target's dtype (it reads the target's hidden states and embeddings):
@@ -300,7 +320,7 @@ def read_drafter(path, target_cfg: Optional[TargetConfig] = None, dtype=None, en
         dtype = target_cfg.dtype
     with naming_config(path):
         dtype = load_dtype(dtype, read_config(path), infos, "fc.weight")
-    return family.read(cfg, infos, dtype, check_finite, precision, stored)
+    return family.read(cfg, infos, dtype, check_finite, precision, stored, mesh, replicated, strict)
 
 
 TRAINED_FOR_FIELDS = ("name", "architecture", "hidden_size", "num_hidden_layers", "vocab_size")

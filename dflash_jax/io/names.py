@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from dflash_jax import quant
+from dflash_jax import quant, sharding
 from pallas_kernels.quant_matmul import PACKED_DTYPES, packed_shapes
 
 SCALE_SUFFIX = "_scale"
@@ -128,25 +128,27 @@ def packed_dtypes(names: Sequence[Param], formats: dict) -> dict:
 
 
 def load_params(names: Sequence[Param], get: Callable, formats: Optional[dict] = None, stored: bool = False,
-                dtype=None) -> dict:
-    """Our pytree from `get(hf name, raw=False) -> np.ndarray`, one leaf at a time, each moved to the device.
+                dtype=None, place: Optional[Callable] = None) -> dict:
+    """Our pytree from `get(hf name, raw=False) -> np.ndarray`, one leaf at a time, each moved to the device by
+    `place(path, value)` (`sharding.placer`: the default device, or its shards of a mesh) as soon as it is read.
     The leaves in `formats` (path -> format) become `quant.QWeight`s computing in `dtype`: read packed
     (`get(name, raw=True)`, as stored) when the checkpoint was saved quantised (`stored`), else quantised
     here from the float values. A load that takes over a second shows a progress bar on a terminal's stderr."""
     formats = formats or {}
+    place = place or sharding.placer((), None)
     params: dict = {}
     with tqdm(total=sum(len(p.names()) for p in names), desc="loading weights", unit="tensor", delay=1.0,
               leave=False, disable=None) as bar:
         for p in names:
             fmt = formats.get(p.path)
             if fmt is None:
-                value = jnp.asarray(p.assemble(get))
+                value = p.assemble(get)
             elif stored:
                 value = quant.from_packed(p.assemble(lambda n: get(n, raw=True)),
                                           p.assemble(lambda n: get(n + SCALE_SUFFIX, raw=True)), fmt, dtype)
             else:
                 value = quant.quantize_array(p.assemble(get), fmt, dtype, path="/".join(p.path))
-            _set(params, p.path, value)
+            _set(params, p.path, place(p.path, value))
             bar.update(len(p.names()))
     return params
 
