@@ -214,6 +214,19 @@ def test_kernel_tiles_and_k_splits_sum_the_same_and_rows_do_not_affect_each_othe
         run(x, block_k=32, k_splits=3)
 
 
+@pytest.mark.parametrize("fmt", qmm.FORMATS)
+@pytest.mark.parametrize("bm", [16, 32, 64])
+def test_kernel_stages_fit_shared_memory(fmt, bm):
+    """At 64 q8_0 rows the default three stages asked an H200 for 233,472 bytes of shared memory (232,448 there):
+    stages drop until the estimate fits, and only where they must (fewer rows ran at three)."""
+    stages = qmm.fit_stages(bm, qmm.BLOCK_N, qmm.BLOCK_K, 2, fmt, qmm.NUM_STAGES)
+    packed = qmm.BLOCK_K // 2 if fmt == "q4_0" else qmm.BLOCK_K
+    scales = 4 if fmt == "int8" else qmm.BLOCK_K // qmm.BLOCK * 2
+    per_stage = bm * qmm.BLOCK_K * 2 + packed * qmm.BLOCK_N + scales * qmm.BLOCK_N
+    assert stages * per_stage + bm * qmm.BLOCK_N * 4 <= qmm.SMEM_BYTES
+    assert stages == (2 if (fmt, bm) == ("q8_0", 64) else qmm.NUM_STAGES)
+
+
 def test_rows_past_the_kernel_and_untileable_widths_take_the_reference():
     rng = np.random.RandomState(4)
     data, scales = _random_packed(rng, 64, 24, "int8")  # N = 24: no power-of-two factor of 16
