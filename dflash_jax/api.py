@@ -127,14 +127,14 @@ def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = Non
     check_fits_target(drafter.config, target.config)
     check_dtypes(target, drafter)
     impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target, drafter))
-    sharding.check_impl(impl, target, drafter)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.n_drafts + 1, None)
     check_memory(target, drafter, p.batch, cap)
     loop = spec.Loop(1, p.chunk, True, "argmax", impl, drafter.n_drafts + 1)
-    out = _propose(loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                   sharding.place_state(target, target.init_state(p.batch, cap)),
-                   sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
-                   smp.row_params(smp.Sampling(), p.batch), stop_array((), target.config.vocab_size))
+    with sharding.mesh_context(target, drafter):
+        out = _propose(loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
+                       sharding.place_state(target, target.init_state(p.batch, cap)),
+                       sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
+                       smp.row_params(smp.Sampling(), p.batch), stop_array((), target.config.vocab_size))
     tokens, logits, anchor = sharding.fetch(out)
     return Proposal(np.asarray(tokens), np.asarray(logits, np.float32), np.asarray(anchor))

@@ -19,6 +19,7 @@ at load time, would make it local: not done yet).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Optional, Sequence
@@ -237,10 +238,12 @@ def spans_devices(*models) -> bool:
     return any(mesh is not None and mesh.size > 1 for mesh in meshes)
 
 
-def check_impl(impl: str, *models) -> None:
-    """Refuse `impl="pallas"` for models placed on a mesh of several devices: the kernels are not yet wrapped in
-    `shard_map`, and SPMD cannot partition a Pallas call (`config.policy.attention_impl` defaults to "xla" there)."""
-    if impl == "pallas" and spans_devices(*models):
-        meshes = {str(dict(mesh_of(m.params).shape)) for m in models if m is not None and mesh_of(m.params)}
-        raise ValueError(f"impl='pallas' is not yet supported for models sharded over several devices (mesh "
-                         f"{', '.join(sorted(meshes))}); use impl='xla' (the default there), or load without mesh=")
+def mesh_context(*models):
+    """`jax.set_mesh` of the mesh the models' params are on, for tracing and running the decoding loops: under it
+    the Pallas kernels run per device (`pallas_kernels.mesh.per_device`); a null context for one device."""
+    meshes = {mesh_of(m.params) for m in models if m is not None} - {None}
+    if len(meshes) > 1:
+        raise ValueError(f"the target and the drafter are placed on different meshes "
+                         f"({', '.join(sorted(str(dict(m.shape)) for m in meshes))}); place both on one")
+    mesh = next(iter(meshes), None)
+    return jax.set_mesh(mesh) if mesh is not None and mesh.size > 1 else contextlib.nullcontext()

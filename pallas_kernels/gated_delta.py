@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mesh import per_device
 from pallas_kernels.windowed_attention import _triton_compiler_params
 
 IMPLS = ("xla", "pallas")
@@ -64,7 +65,8 @@ def delta_chunk(state, q, k, v, g, beta, *, impl: str = "xla", interpret: bool |
     """C positions in the parallel form from `state`. Returns `(out f32[B, C, H, dv], u f32[B, C, H, dv])`: the
     outputs, and the updates from which `state_at(state, k, u, g, n)` gives the state after any n positions.
     `impl="pallas"` runs the kernel (module docstring; a single position takes the jnp form, which has no
-    system to solve); `interpret` as in `block_attention`."""
+    system to solve), per device on its heads and rows under a mesh (`mesh.per_device`); `interpret` as in
+    `block_attention`."""
     _check_delta("delta_chunk", state, q, k, v, g, beta)
     if impl not in IMPLS:
         raise ValueError(f"delta_chunk: impl={impl!r} is not supported; choose one of {IMPLS}.")
@@ -74,10 +76,14 @@ def delta_chunk(state, q, k, v, g, beta, *, impl: str = "xla", interpret: bool |
         return out, u
     args = (state, q, k, v, jnp.cumsum(g, axis=1), beta)
     if interpret is not None:
-        return _chunk_pallas(*args, interpret=interpret)
-    return lax.platform_dependent(*args, cuda=functools.partial(_chunk_pallas, interpret=False),
-                                  rocm=functools.partial(_chunk_pallas, interpret=False),
-                                  default=functools.partial(_chunk_pallas, interpret=True))
+        run = functools.partial(_chunk_pallas, interpret=interpret)
+    else:
+        def run(*a):
+            return lax.platform_dependent(*a, cuda=functools.partial(_chunk_pallas, interpret=False),
+                                          rocm=functools.partial(_chunk_pallas, interpret=False),
+                                          default=functools.partial(_chunk_pallas, interpret=True))
+    heads = (0, 2)  # [B, C, H, .]: every head is its own recurrence
+    return per_device(run, args, ((0, 1),) + (heads,) * 5, (heads, heads))
 
 
 def _chunk_kernel(s_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, o_ref, u_ref, *, squarings):

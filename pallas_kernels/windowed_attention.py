@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mesh import per_device
+
 IMPLS = ("xla", "pallas")
 
 # Tile settings, picked with `bench/kernel_check.py --sweep` on an H200 (JAX 0.11.2).
@@ -85,7 +87,7 @@ def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, cau
     GQA: query head h uses kv head h // (nh // nkv). Softmax in float32; output cast to q.dtype.
     ctx_len[b] must lie in [0, S]. `interpret` runs the Pallas kernel in interpret mode; None (the default) does
     so on every platform but CUDA and ROCm, where the Triton lowering exists, so `impl="pallas"` also runs
-    (slowly) on a CPU.
+    (slowly) on a CPU. Under a mesh the kernel runs per device on its heads and rows (`mesh.per_device`).
     """
     ctx_len = jnp.asarray(ctx_len)
     _check_inputs(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, window, impl)
@@ -96,12 +98,15 @@ def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, cau
                               window=window)
     kernel = functools.partial(_pallas_attention, scale=float(scale), causal=causal, window=window)
     if interpret is not None:
-        return kernel(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, interpret=interpret)
-    # chosen where the program is lowered, not where it is traced: a CPU host may lower for CUDA
-    return lax.platform_dependent(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk,
-                                  cuda=functools.partial(kernel, interpret=False),
-                                  rocm=functools.partial(kernel, interpret=False),
-                                  default=functools.partial(kernel, interpret=True))
+        run = functools.partial(kernel, interpret=interpret)
+    else:  # chosen where the program is lowered, not where it is traced: a CPU host may lower for CUDA
+        def run(*args):
+            return lax.platform_dependent(*args, cuda=functools.partial(kernel, interpret=False),
+                                          rocm=functools.partial(kernel, interpret=False),
+                                          default=functools.partial(kernel, interpret=True))
+    heads = (0, 2)  # [B, ., heads, hd]: query heads with their KV heads, split alike
+    return per_device(run, (q, k_ctx, v_ctx, ctx_len, k_blk, v_blk), (heads, heads, heads, (0, None), heads, heads),
+                      (heads,))
 
 
 def _check_inputs(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, window, impl) -> None:

@@ -29,6 +29,8 @@ from jax.sharding import PartitionSpec  # noqa: E402
 import dflash_jax as dj  # noqa: E402
 from conftest import tiny_drafter, tiny_gemma4, tiny_hybrid, tiny_target  # noqa: E402
 from dflash_jax.io.checkpoints import target_family, write_drafter, write_target  # noqa: E402
+from dflash_jax.targets import moe as moe_block  # noqa: E402
+from pallas_kernels import block_attention  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 N = 10
@@ -134,11 +136,19 @@ def families(tp: int, dp: int) -> dict:
         report["strict"] = None
     except ValueError as e:
         report["strict"] = str(e)
-    try:
-        dj.generate(dj.shard(dense, mesh), None, PROMPTS, max_new_tokens=2, impl="pallas")
-        report["pallas"] = None
-    except ValueError as e:
-        report["pallas"] = str(e)
+    report["pallas"] = {}
+    for name, target in (("dense", dense), ("hybrid_moe", moe)):  # the attention kernel, and the delta rule's
+        drafter = tiny_drafter(target, 4, windows=(None,), tap_ids=(0, 1))
+        report["pallas"][name] = [dj.generate(target, drafter, PROMPTS, max_new_tokens=N).tokens,
+                                  dj.generate(dj.shard(target, mesh), dj.shard(drafter, mesh), PROMPTS,
+                                              max_new_tokens=N, impl="pallas").tokens]
+    q, kc, vc, kb, vb = (jax.numpy.ones(s, jax.numpy.float32) for s in ((2, 3, 4, 8), (2, 5, 2, 8), (2, 5, 2, 8),
+                                                                         (2, 3, 2, 8), (2, 3, 2, 8)))
+    with jax.set_mesh(mesh):
+        traced = jax.make_jaxpr(lambda *a: block_attention(*a, scale=0.5, impl="pallas"))(
+            q, kc, vc, jax.numpy.array([5, 2]), kb, vb)
+        report["moe_impl_on_a_gpu"] = moe_block.default_impl("gpu")
+    report["pallas_per_device"] = "shard_map" in str(traced)
     wide = sharding.make_mesh(tp=4)
     report["tp4"] = {"state": specs(sharding.place_state(dj.shard(dense, wide), dense.init_state(2, 8)))}
     return report

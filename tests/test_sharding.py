@@ -169,16 +169,23 @@ def test_kv_heads_fewer_than_the_tensor_axis_are_replicated(four):
         "a replicated cache (Gemma-4's full layers, 1 KV head over tp=2) decodes the same"
 
 
-def test_pallas_under_a_mesh_is_refused(four):
-    assert four["pallas"] and "impl='pallas' is not yet supported" in four["pallas"], four["pallas"]
+@pytest.mark.parametrize("family", ["dense", "hybrid_moe"])
+def test_the_kernels_run_per_device_under_a_mesh_and_decode_the_unsharded_tokens(four, family):
+    unsharded, sharded = four["pallas"][family]
+    assert sharded == unsharded, f"{family}: impl='pallas' on a (dp 2, tp 2) mesh decodes other tokens"
+    assert four["pallas_per_device"], "under a mesh the attention kernel must run in shard_map, per device"
+
+
+def test_experts_under_a_mesh_take_the_gather_that_the_partitioner_splits(four):
+    assert four["moe_impl_on_a_gpu"] == "gather", "the grouped expert kernel cannot be split over a mesh"
 
 
 def test_attention_defaults_to_xla_for_sharded_models_even_on_a_gpu():
     assert policy.attention_impl(None, env={}, backend="gpu") == "pallas"
     assert policy.attention_impl(None, env={}, backend="gpu", sharded=True) == "xla", \
-        "the kernels are not yet wrapped in shard_map: a sharded model must not get them by default"
+        "the kernels under shard_map are not yet measured on GPUs: a sharded model does not get them by default"
     assert policy.attention_impl(None, env={"DFLASH_ATTENTION": "pallas"}, backend="gpu", sharded=True) == "pallas", \
-        "an explicit choice stands (and check_impl refuses it by name)"
+        "an explicit choice stands (the kernels then run per device under shard_map)"
 
 
 def test_a_mesh_without_the_tensor_axis_is_refused():

@@ -161,7 +161,7 @@ def attention_impl(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]]
                    backend: Optional[str] = None, sharded: bool = False) -> str:
     """Attention implementation: keyword > DFLASH_ATTENTION > 'pallas' on GPU (faster at every
     benchmarked shape, bench/results/kernel_check.json), 'xla' elsewhere and for models `sharded` over
-    several devices (the kernels are not yet wrapped in `shard_map`: `sharding.check_impl`)."""
+    several devices (there the kernels run per device under `shard_map`, not yet measured on GPUs)."""
     import jax
 
     default = "pallas" if (backend or jax.default_backend()) == "gpu" and not sharded else "xla"

@@ -135,7 +135,6 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
                    capacity: Optional[int] = None, impl: Optional[str] = None, lengths=None) -> Result:
     """Autoregressive decoding as one jitted `lax.while_loop` after a jitted prefill."""
     impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target))
-    sharding.check_impl(impl, target)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, 1, capacity)
     samplings = smp.per_row(sampling, p.batch)
@@ -145,10 +144,11 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
     loop = PlainLoop(int(max_new_tokens), p.chunk, all(s.greedy for s in samplings),
                      any(s.has_penalties for s in samplings), impl)
     t0 = time.perf_counter()
-    s = jax.block_until_ready(start(loop, target, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                                    sharding.place_state(target, target.init_state(p.batch, cap)), rp, stops))
-    t1 = time.perf_counter()
-    s = run(loop, target, s, stops)
+    with sharding.mesh_context(target):
+        s = jax.block_until_ready(start(loop, target, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
+                                        sharding.place_state(target, target.init_state(p.batch, cap)), rp, stops))
+        t1 = time.perf_counter()
+        s = run(loop, target, s, stops)
     out, n_out, nonfinite = sharding.fetch((s.out, s.n_out, s.nonfinite))
     t2 = time.perf_counter()
     check_finite(nonfinite, p.lengths)

@@ -72,7 +72,6 @@ class Session:
         check_fits_target(drafter.config, target.config)
         check_dtypes(target, drafter)
         impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target, drafter))
-        sharding.check_impl(impl, target, drafter)
         p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
         rows = smp.per_row(sampling, p.batch)
         smp.check_speculative(rows)
@@ -95,10 +94,11 @@ class Session:
         self.stop_tokens = stop_array(stop_tokens, target.config.vocab_size)
         check_memory(target, drafter, p.batch, cap)
         t0 = time.perf_counter()
-        self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                                sharding.place_state(target, target.init_state(p.batch, cap)),
-                                sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
-                                smp.row_params(rows, p.batch), self.stop_tokens, inject)
+        with sharding.mesh_context(target, drafter):
+            self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
+                                    sharding.place_state(target, target.init_state(p.batch, cap)),
+                                    sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
+                                    smp.row_params(rows, p.batch), self.stop_tokens, inject)
         self._lengths = p.lengths
         self._lock = threading.Lock()
         self._fetch()
@@ -152,8 +152,9 @@ class Session:
         want = np.minimum(self._n_seen + n, self.loop.max_new_tokens)
         before = self._counts
         t0 = time.perf_counter()
-        self.state = spec.run(self.loop, self.target, self.drafter,
-                              self.state.replace(limit=jnp.asarray(want, jnp.int32)), self.stop_tokens)
+        with sharding.mesh_context(self.target, self.drafter):
+            self.state = spec.run(self.loop, self.target, self.drafter,
+                                  self.state.replace(limit=jnp.asarray(want, jnp.int32)), self.stop_tokens)
         self._fetch()
         dt = time.perf_counter() - t0
         self.decode_time_s += dt

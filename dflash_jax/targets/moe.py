@@ -39,8 +39,11 @@ PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", 
 def default_impl(backend: str | None = None, tokens: int = 1) -> str:
     """The impl for a block of `tokens` tokens: on a GPU `"grouped"` up to `GROUPED_MAX_TOKENS`, else `"ragged"`;
     off a GPU always `"gather"` (there the Pallas kernel would run interpreted, and `ragged_dot` multiplies every
-    row by every expert, a dense `[E, T*k, H]` expansion, while the gather touches only the chosen ones)."""
-    if (backend or jax.default_backend()) != "gpu":
+    row by every expert, a dense `[E, T*k, H]` expansion, while the gather touches only the chosen ones). Traced
+    under a mesh of several devices (a sharded model: `dflash_jax.sharding.mesh_context`) also `"gather"`: XLA's
+    partitioner splits it over the experts, while the grouped kernel routes rows across all of them on one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if (backend or jax.default_backend()) != "gpu" or (not mesh.empty and mesh.size > 1):
         return "gather"
     return "grouped" if tokens <= GROUPED_MAX_TOKENS else "ragged"
 
