@@ -100,8 +100,10 @@ def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0, mesh=Non
     return make_target(cfg, params if mesh is None else sharding.shard_params(rules, params, mesh))
 
 
-def random_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 1, mesh=None) -> Drafter:
-    rules = drafter_family(cfg).sharding_rules()
+def random_drafter(cfg: DrafterConfig, dtype=jnp.bfloat16, seed: int = 1, mesh=None,
+                   replicated: bool = False) -> Drafter:
+    """Random weights, placed on `mesh` as they are made (sharded by the family's rules, or whole on every device)."""
+    rules = drafter_family(cfg).sharding_rules(replicated)
     return make_drafter(cfg, _random_tree(drafter_family(cfg).param_shapes(cfg), dtype, seed,
                                           None if mesh is None else sharding.placer(rules, mesh)))
 

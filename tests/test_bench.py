@@ -177,9 +177,10 @@ def test_sharded_bench_tiny_runs_losslessly_on_two_virtual_devices(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(tmp_path / "sharded_tiny.json") as f:
         payload = json.load(f)
-    assert payload["devices"] == 2 and {c["tp"] for c in payload["cells"]} == {1, 2}
+    assert payload["devices"] == 2 and {(c["tp"], c["drafter"]) for c in payload["cells"]} == {
+        (1, "sharded"), (2, "sharded"), (2, "replicated")}
     for c in payload["cells"]:
         assert c["lossless"], f"tp={c['tp']}: speculative tokens differ from plain on the mesh"
         assert c["runs_recompiled"] == 0, f"tp={c['tp']}: the fused loop compiled after its warm-up"
         assert c["roofline_ratio"] > 0 and c["speedup_at_tau"] > 0
-    assert payload["tp_speedup"] > 0
+    assert payload["tp_speedup"] > 0 and payload["replicated_drafter_round_over_sharded"] > 0
