@@ -126,12 +126,13 @@ def propose(target: Target, drafter: Drafter, prompts, impl: Optional[str] = Non
     token as anchor, and draft one block (greedy)."""
     check_fits_target(drafter.config, target.config)
     check_dtypes(target, drafter)
-    impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target, drafter))
+    mesh = sharding.models_mesh(target, drafter)
+    impl = policy.attention_impl(impl, sharded=mesh is not None)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, 1, target.config.max_position_embeddings, drafter.n_drafts + 1, None)
     check_memory(target, drafter, p.batch, cap)
     loop = spec.Loop(1, p.chunk, True, "argmax", impl, drafter.n_drafts + 1)
-    with sharding.mesh_context(target, drafter):
+    with sharding.mesh_context(mesh):
         out = _propose(loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                        sharding.place_state(target, target.init_state(p.batch, cap)),
                        sharding.place_state(drafter, drafter.init_state(p.batch, cap)),

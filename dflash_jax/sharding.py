@@ -31,12 +31,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax import quant
-
-TP, DP = "tp", "dp"
-"""The mesh axes: tensor parallel (within a host's NVLink domain) and data parallel (batch rows, may cross hosts)."""
+from pallas_kernels.mesh import DP, TP
 
 LOGICAL = {"batch": DP, "heads": TP, "kv_heads": TP, "value_heads": TP, "mlp": TP, "vocab": TP, "experts": TP}
-"""Logical axis -> mesh axis."""
+"""Logical axis -> mesh axis: TP, tensor parallel (within a host's NVLink domain), or DP, batch rows (may cross
+hosts); `pallas_kernels.mesh` names both, as the kernels split over them too."""
 
 _ATTENTION = [
     (r"(.*/)?wqkv", (None, "heads")),   # fused q|k|v (hybrid: q|gate|k|v)
@@ -232,18 +231,17 @@ def fetch(tree):
     return jax.tree.map(get, tree)
 
 
-def spans_devices(*models) -> bool:
-    """Whether any of `models` (Targets, Drafters, or None) has its params on a mesh of several devices."""
-    meshes = [mesh_of(m.params) for m in models if m is not None]
-    return any(mesh is not None and mesh.size > 1 for mesh in meshes)
-
-
-def mesh_context(*models):
-    """`jax.set_mesh` of the mesh the models' params are on, for tracing and running the decoding loops: under it
-    the Pallas kernels run per device (`pallas_kernels.mesh.per_device`); a null context for one device."""
-    meshes = {mesh_of(m.params) for m in models if m is not None} - {None}
+def models_mesh(*models) -> Optional[Mesh]:
+    """The mesh of several devices that the params of `models` (Targets, Drafters, or None) are on, or None when
+    each is on one device; models on two different meshes are refused."""
+    meshes = {mesh for m in models if m is not None and (mesh := mesh_of(m.params)) is not None and mesh.size > 1}
     if len(meshes) > 1:
         raise ValueError(f"the target and the drafter are placed on different meshes "
                          f"({', '.join(sorted(str(dict(m.shape)) for m in meshes))}); place both on one")
-    mesh = next(iter(meshes), None)
-    return jax.set_mesh(mesh) if mesh is not None and mesh.size > 1 else contextlib.nullcontext()
+    return next(iter(meshes), None)
+
+
+def mesh_context(mesh: Optional[Mesh]):
+    """`jax.set_mesh(mesh)` (`models_mesh`) around tracing and running the decoding loops: under it the Pallas
+    kernels run per device (`pallas_kernels.mesh.per_device`); a null context without a mesh."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)

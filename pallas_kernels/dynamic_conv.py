@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.windowed_attention import _triton_compiler_params
+from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
 
 IMPLS = ("xla", "pallas")
 
@@ -71,13 +71,7 @@ def dynamic_conv(x, dyn, base, which: int, *, impl: str = "xla", interpret: bool
     _check_inputs(x, dyn, base, which, impl)
     if impl == "xla":
         return _xla_conv(x, dyn, base, which)
-    kernel = functools.partial(_pallas_conv, which=which)
-    if interpret is not None:
-        return kernel(x, dyn, base, interpret=interpret)
-    # chosen where the program is lowered, not where it is traced: a CPU host may lower for CUDA
-    return lax.platform_dependent(x, dyn, base, cuda=functools.partial(kernel, interpret=False),
-                                  rocm=functools.partial(kernel, interpret=False),
-                                  default=functools.partial(kernel, interpret=True))
+    return where_lowered(functools.partial(_pallas_conv, which=which), interpret)(x, dyn, base)
 
 
 def _check_inputs(x, dyn, base, which, impl) -> None:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.windowed_attention import _triton_compiler_params
+from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
 
 IMPLS = ("xla", "pallas")
 ROWS = 16
@@ -55,12 +55,7 @@ def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = 
     expert = expert.astype(jnp.int32)
     if impl == "xla":
         return _reference(x, w, expert)
-    kernel = functools.partial(_pallas, **tiles)
-    if interpret is not None:
-        return kernel(x, w, expert, interpret=interpret)
-    return lax.platform_dependent(x, w, expert, cuda=functools.partial(kernel, interpret=False),
-                                  rocm=functools.partial(kernel, interpret=False),
-                                  default=functools.partial(kernel, interpret=True))
+    return where_lowered(functools.partial(_pallas, **tiles), interpret)(x, w, expert)
 
 
 def _precision(dtype):

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mesh import per_device
-from pallas_kernels.windowed_attention import _triton_compiler_params
+from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
 
 IMPLS = ("xla", "pallas")
 DV_TILE = 64
@@ -75,15 +75,8 @@ def delta_chunk(state, q, k, v, g, beta, *, impl: str = "xla", interpret: bool |
         out, u, _ = _chunk(state, q, k, v, g, beta)
         return out, u
     args = (state, q, k, v, jnp.cumsum(g, axis=1), beta)
-    if interpret is not None:
-        run = functools.partial(_chunk_pallas, interpret=interpret)
-    else:
-        def run(*a):
-            return lax.platform_dependent(*a, cuda=functools.partial(_chunk_pallas, interpret=False),
-                                          rocm=functools.partial(_chunk_pallas, interpret=False),
-                                          default=functools.partial(_chunk_pallas, interpret=True))
     heads = (0, 2)  # [B, C, H, .]: every head is its own recurrence
-    return per_device(run, args, ((0, 1),) + (heads,) * 5, (heads, heads))
+    return per_device(where_lowered(_chunk_pallas, interpret), args, ((0, 1),) + (heads,) * 5, (heads, heads))
 
 
 def _chunk_kernel(s_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, o_ref, u_ref, *, squarings):

@@ -11,18 +11,24 @@ import jax
 from jax.sharding import PartitionSpec
 
 TP, DP = "tp", "dp"
-"""The mesh axes of `dflash_jax.sharding`: heads split over TP, batch rows over DP."""
+"""The mesh axes (`dflash_jax.sharding` builds its meshes over them): heads split over TP, batch rows over DP."""
 
 Dims = tuple[Optional[int], Optional[int]]
 """(batch dimension, head dimension) of one array; None where it has none."""
+
+
+def context_mesh():
+    """The mesh `jax.set_mesh` set around this trace, when it spans several devices over a `TP` axis; else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 or TP not in mesh.axis_names else mesh
 
 
 def per_device(fn: Callable, args: Sequence, in_dims: Sequence[Dims], out_dims: Sequence[Dims]):
     """`fn(*args)`, run per device of the mesh in context when one is set: the args split along their batch and
     head dimensions (`in_dims`), the outputs (a tuple, or one array for a single `out_dims`) joined along theirs.
     `fn` must treat every head and batch row independently (attention heads with their KV heads, delta-rule heads)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or TP not in mesh.axis_names:
+    mesh = context_mesh()
+    if mesh is None:
         return fn(*args)
     shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
 

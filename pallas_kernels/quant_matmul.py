@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.windowed_attention import _triton_compiler_params
+from pallas_kernels.windowed_attention import SMEM_BYTES, _triton_compiler_params, where_lowered
 
 FORMATS = ("int8", "q8_0", "q4_0")
 BLOCK = 32
@@ -56,7 +56,6 @@ BLOCK_K = 256  # largest K tile (a multiple of 32); the tile is the largest powe
 TARGET_PROGRAMS = 264  # K is split until the grid has about this many programs (2 per H200 SM)
 NUM_WARPS = 4
 NUM_STAGES = 3
-SMEM_BYTES = 232_448  # shared memory one H200 block may take; 64 rows at 3 stages asked for 233,472 there
 
 
 def default_impl(backend: str | None = None) -> str:
@@ -97,14 +96,8 @@ def quant_matmul(x, data, scales, fmt: str, *, out_dtype=None, compute_dtype=Non
     rows = x.size // k
     if impl == "xla" or rows > MAX_ROWS or not kernel_fits(k, n):
         return _reference(x, data, scales, fmt, compute, out)
-    kernel = functools.partial(_pallas_matmul, fmt=fmt, compute=compute)
-    flat = x.reshape(rows, k)
-    if interpret is not None:
-        y = kernel(flat, data, scales, interpret=interpret)
-    else:  # chosen where the program is lowered, not where it is traced: a CPU host may lower for CUDA
-        y = lax.platform_dependent(flat, data, scales, cuda=functools.partial(kernel, interpret=False),
-                                   rocm=functools.partial(kernel, interpret=False),
-                                   default=functools.partial(kernel, interpret=True))
+    kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute), interpret)
+    y = kernel(x.reshape(rows, k), data, scales)
     return y.reshape(*x.shape[:-1], n).astype(out)
 
 
@@ -189,7 +182,8 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 def fit_stages(bm: int, bn: int, bk: int, x_itemsize: int, fmt: str, num_stages: int) -> int:
     """Pipeline stages cut until a program's shared memory fits `SMEM_BYTES`: per stage an x tile, a packed
-    weight tile and its scales, plus the float32 `[bm, bn]` accumulator."""
+    weight tile and its scales, plus the float32 `[bm, bn]` accumulator (64 q8_0 rows at 3 stages asked an H200
+    for 233,472 bytes)."""
     packed = bk // 2 if fmt == "q4_0" else bk
     scales = 4 if fmt == "int8" else (bk // BLOCK) * 2
     per_stage = bm * bk * x_itemsize + packed * bn + scales * bn

@@ -34,10 +34,11 @@ TARGET_PROGRAMS = 256  # context splits are added until the grid has about this 
 MIN_TILES_PER_SPLIT = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
-# Wide heads (Gemma-4's 512) shrink the tiles: a program's shared memory (one query tile and `num_stages` K and V
-# tiles) must fit an H200 block's 232,448 bytes, and its float32 accumulator must stay as small as the 64 x 256
-# that the head-128/256 sweep ran with.
 SMEM_BYTES = 232_448
+"""Shared memory one H200 thread block may take: the bound every kernel's tiles and pipeline stages must fit."""
+# Wide heads (Gemma-4's 512) shrink the tiles: a program's shared memory (one query tile and `num_stages` K and V
+# tiles) must fit SMEM_BYTES, and its float32 accumulator must stay as small as the 64 x 256 that the
+# head-128/256 sweep ran with.
 ACC_ELEMENTS = 64 * 256
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked tiles never make NaN
@@ -52,6 +53,17 @@ def _triton_compiler_params(num_warps: int, num_stages: int):
     except (ImportError, AttributeError):
         params_cls = pl.TritonCompilerParams
     return params_cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def where_lowered(kernel, interpret: bool | None):
+    """`kernel(*args, interpret=...)` as one callable: `interpret` as given, or with None chosen where the program
+    is lowered, not where it is traced (a CPU host may lower for CUDA): compiled on CUDA and ROCm, interpreted
+    elsewhere."""
+    if interpret is not None:
+        return functools.partial(kernel, interpret=interpret)
+    return lambda *args: lax.platform_dependent(*args, cuda=functools.partial(kernel, interpret=False),
+                                                rocm=functools.partial(kernel, interpret=False),
+                                                default=functools.partial(kernel, interpret=True))
 
 
 def sees_context(q_pos, k_pos, ctx_len, window: int | None):
@@ -96,14 +108,8 @@ def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, cau
     if impl == "xla":
         return _xla_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale=float(scale), causal=causal,
                               window=window)
-    kernel = functools.partial(_pallas_attention, scale=float(scale), causal=causal, window=window)
-    if interpret is not None:
-        run = functools.partial(kernel, interpret=interpret)
-    else:  # chosen where the program is lowered, not where it is traced: a CPU host may lower for CUDA
-        def run(*args):
-            return lax.platform_dependent(*args, cuda=functools.partial(kernel, interpret=False),
-                                          rocm=functools.partial(kernel, interpret=False),
-                                          default=functools.partial(kernel, interpret=True))
+    run = where_lowered(functools.partial(_pallas_attention, scale=float(scale), causal=causal, window=window),
+                        interpret)
     heads = (0, 2)  # [B, ., heads, hd]: query heads with their KV heads, split alike
     return per_device(run, (q, k_ctx, v_ctx, ctx_len, k_blk, v_blk), (heads, heads, heads, (0, None), heads, heads),
                       (heads,))

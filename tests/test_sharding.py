@@ -202,7 +202,7 @@ def test_an_unsharded_model_keeps_its_state_where_it_was():
     assert sharding.mesh_of(target.params) is None
     assert sharding.place_state(target, state) is state, "without a mesh nothing moves"
     one = dj.shard(target, sharding.make_mesh(tp=1))
-    assert not sharding.spans_devices(target, None, one), "a mesh of one device spans one device"
+    assert sharding.models_mesh(target, None, one) is None, "a mesh of one device spans one device"
 
 
 def _free_port() -> int:

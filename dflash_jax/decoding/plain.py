@@ -134,7 +134,8 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
                    sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
                    capacity: Optional[int] = None, impl: Optional[str] = None, lengths=None) -> Result:
     """Autoregressive decoding as one jitted `lax.while_loop` after a jitted prefill."""
-    impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target))
+    mesh = sharding.models_mesh(target)
+    impl = policy.attention_impl(impl, sharded=mesh is not None)
     p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
     cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, 1, capacity)
     samplings = smp.per_row(sampling, p.batch)
@@ -144,7 +145,7 @@ def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=
     loop = PlainLoop(int(max_new_tokens), p.chunk, all(s.greedy for s in samplings),
                      any(s.has_penalties for s in samplings), impl)
     t0 = time.perf_counter()
-    with sharding.mesh_context(target):
+    with sharding.mesh_context(mesh):
         s = jax.block_until_ready(start(loop, target, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                                         sharding.place_state(target, target.init_state(p.batch, cap)), rp, stops))
         t1 = time.perf_counter()

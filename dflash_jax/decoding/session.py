@@ -71,7 +71,8 @@ class Session:
                  verify_t: Optional[int] = None, verify_buckets=None, lengths=None):
         check_fits_target(drafter.config, target.config)
         check_dtypes(target, drafter)
-        impl = policy.attention_impl(impl, sharded=sharding.spans_devices(target, drafter))
+        self._mesh = sharding.models_mesh(target, drafter)
+        impl = policy.attention_impl(impl, sharded=self._mesh is not None)
         p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
         rows = smp.per_row(sampling, p.batch)
         smp.check_speculative(rows)
@@ -94,7 +95,7 @@ class Session:
         self.stop_tokens = stop_array(stop_tokens, target.config.vocab_size)
         check_memory(target, drafter, p.batch, cap)
         t0 = time.perf_counter()
-        with sharding.mesh_context(target, drafter):
+        with sharding.mesh_context(self._mesh):
             self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                                     sharding.place_state(target, target.init_state(p.batch, cap)),
                                     sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
@@ -152,7 +153,7 @@ class Session:
         want = np.minimum(self._n_seen + n, self.loop.max_new_tokens)
         before = self._counts
         t0 = time.perf_counter()
-        with sharding.mesh_context(self.target, self.drafter):
+        with sharding.mesh_context(self._mesh):
             self.state = spec.run(self.loop, self.target, self.drafter,
                                   self.state.replace(limit=jnp.asarray(want, jnp.int32)), self.stop_tokens)
         self._fetch()

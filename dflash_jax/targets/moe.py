@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from dflash_jax.targets.layers import exact, matmul, swiglu
 from pallas_kernels.expert_matmul import expert_matmul
+from pallas_kernels.mesh import context_mesh
 
 MOE_IMPLS = ("grouped", "ragged", "gather")
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -42,8 +43,7 @@ def default_impl(backend: str | None = None, tokens: int = 1) -> str:
     row by every expert, a dense `[E, T*k, H]` expansion, while the gather touches only the chosen ones). Traced
     under a mesh of several devices (a sharded model: `dflash_jax.sharding.mesh_context`) also `"gather"`: XLA's
     partitioner splits it over the experts, while the grouped kernel routes rows across all of them on one device."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if (backend or jax.default_backend()) != "gpu" or (not mesh.empty and mesh.size > 1):
+    if (backend or jax.default_backend()) != "gpu" or context_mesh() is not None:
         return "gather"
     return "grouped" if tokens <= GROUPED_MAX_TOKENS else "ragged"
 
