@@ -253,8 +253,8 @@ def _candidate_cuts(z: jax.Array, top_k: jax.Array, top_p: jax.Array, group: int
     it (a large top-k, or top-p over a flat distribution) is not exact.
     """
     v = z.shape[-1]
-    if per_group >= group or per_group >= v:
-        return jnp.zeros(z.shape[:-1] + (1,), jnp.bool_), _sorted_keep(z, top_k, top_p)
+    if per_group >= group or per_group >= v:  # no group to search: the sort is the cut, exact for every row
+        return jnp.ones(z.shape[:-1] + (1,), jnp.bool_), _sorted_keep(z, top_k, top_p)
     n_groups = -(-v // group)
     padded = jnp.pad(z, [(0, 0)] * (z.ndim - 1) + [(0, n_groups * group - v)], constant_values=-jnp.inf)
     tops = jax.lax.top_k(padded.reshape(z.shape[:-1] + (n_groups, group)), per_group)[0]

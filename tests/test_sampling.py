@@ -250,6 +250,11 @@ def test_the_candidate_search_gives_the_sorted_support_exactly_and_knows_when_it
                                       "differs from the sorted rule")
         np.testing.assert_array_equal(np.asarray(jax.jit(S._candidate_keep)(z, top_k, top_p)), want)
     assert outcomes == {True, False}, "the cases must exercise both the candidates and the fallback"
+    z = jnp.asarray(rng.normal(size=(3, 10)), jnp.float32)  # fewer tokens than a group's candidates: the sort, once
+    top_k, top_p = _cut_params(rng, 3)
+    exact, keep = S._candidate_cuts(z, top_k, top_p)
+    assert bool(jnp.all(exact)), "the sort's cut is exact: the fallback must not sort a second time"
+    np.testing.assert_array_equal(np.asarray(keep), np.asarray(S._sorted_keep(z, top_k, top_p)))
 
 
 def test_common_settings_over_a_real_vocabulary_need_no_sort_and_a_flat_top_p_falls_back():
