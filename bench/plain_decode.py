@@ -44,7 +44,8 @@ def main(argv=None):
     ap.add_argument("--impl", default=None, choices=["xla", "pallas"], help="default: pallas on GPU")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peer-tokens", type=int, default=64, help="new tokens for the transformers peer (0: skip)")
-    ap.add_argument("--peer-static", action="store_true", help="also time the static-cache peer (compiles a while; warmed up with the timed shapes)")
+    ap.add_argument("--peer-static", action="store_true",
+                    help="also time the static-cache peer (compiles a while; warmed up with the timed shapes)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
 
