@@ -23,5 +23,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Burst", "CheckpointError", "Demo", "Drafter", "DrafterConfig", "HubError", "Injected", "Proposal", "Result",
     "Sampling", "Session", "Stats", "StreamChunk", "Target", "TargetConfig", "TextResult", "Tokenizer", "generate",
-    "generate_text", "load_demo", "load_drafter", "load_target", "load_tokenizer", "propose", "quantize", "shard", "stream",
+    "generate_text", "load_demo", "load_drafter", "load_target", "load_tokenizer", "propose", "quantize", "shard",
+    "stream",
 ]
