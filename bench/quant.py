@@ -18,7 +18,7 @@ redraws the plot, so the parts can run as separate commands (each under the 10-m
     python bench/quant.py --parts kernel target                  # H200
     python bench/quant.py --parts drafter --precisions bf16 q8_0
     python bench/quant.py --parts drafter --precisions q4_0 int8
-    python bench/quant.py --parts kernel --sweep                 # also time kernel tile settings
+    python bench/quant.py --parts kernel --sweep                 # first time the kernels' tile settings
     python bench/quant.py --tiny                                 # CPU smoke test of every part
 
 `--quant-impl` sets the quantised product of the drafter and target parts (`quant_matmul.GPU_DEFAULT_IMPL`);
@@ -30,14 +30,11 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import acceptance as acc
 import common
@@ -52,6 +49,9 @@ TOLERANCE = 2e-2  # kernel against reference, relative to the reference's larges
 TAU = 6.5
 
 
+WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head", "drafter_fc")
+
+
 def weight_shapes(target_cfg, drafter_cfg) -> dict:
     """Name -> `[in, out]` of every distinct weight a decode step or a round multiplies by."""
     t, d = target_cfg, drafter_cfg
@@ -60,33 +60,13 @@ def weight_shapes(target_cfg, drafter_cfg) -> dict:
             "lm_head": (t.hidden_size, t.vocab_size), "drafter_fc": (d.n_taps * d.hidden_size, d.hidden_size)}
 
 
-def per_call_us(fn, x, consts, iters: int, inner: int) -> float:
-    """Median device time of `fn(x, *consts)` per call, over `iters` samples of `inner` calls in one jitted loop.
-    Each call's input is scaled by a number taken from the previous output, so XLA cannot hoist it."""
-    def body(_, carry):
-        c, _ = carry
-        y = fn(x * (1 + c).astype(x.dtype), *consts)
-        return 1e-9 * y.reshape(-1)[0].astype(jnp.float32), y
-
-    out = jax.eval_shape(fn, x, *consts)
-    run = jax.jit(lambda c0: lax.fori_loop(0, inner, body, (c0, jnp.zeros(out.shape, out.dtype))))
-    zero = jnp.zeros((), jnp.float32)
-    jax.block_until_ready(run(zero))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(run(zero))
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times) / inner
-
-
 def _packed(key, shape: tuple, fmt: str):
     w = jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[0])
     q = quant.quantize_array(w, fmt, jnp.bfloat16, xp=jnp)
     return w.astype(jnp.bfloat16), q
 
 
-def kernel_part(shapes: dict, rows: tuple, iters: int, inner: int, sweep: bool) -> dict:
+def kernel_part(shapes: dict, rows: tuple, iters: int, calls: int) -> dict:
     """Per weight, format and row count: bf16, reference and kernel times, bytes, agreement."""
     bandwidth = common.hbm_read_bandwidth(common.TINY_PROBE_GIB if jax.default_backend() != "gpu" else 4.0)
     cells, key = [], jax.random.key(0)
@@ -101,44 +81,76 @@ def kernel_part(shapes: dict, rows: tuple, iters: int, inner: int, sweep: bool) 
                 row = {"weight": name, "shape": list(shape), "format": fmt, "rows": m, "rel_err": rel,
                        "ok": bool(np.isfinite(got).all() and rel <= TOLERANCE),
                        "bytes": int(q.nbytes + x.nbytes + m * shape[1] * 2), "bf16_bytes": int(w.nbytes)}
-                row["bf16_us"] = per_call_us(lambda a, b: a @ b, x, (w,), iters, inner)
+                row["bf16_us"] = common.per_call_us(lambda a, b: a @ b, x, (w,), iters, calls)
                 for impl, f in impls.items():
-                    row[f"{impl}_us"] = per_call_us(lambda a, d, s, f=f: f(a, d, s), x, (q.data, q.scales), iters,
-                                                    inner)
+                    row[f"{impl}_us"] = common.per_call_us(lambda a, d, s, f=f: f(a, d, s), x, (q.data, q.scales),
+                                                           iters, calls)
                 row["roofline_us"] = 1e6 * row["bytes"] / bandwidth
                 row["pallas_over_xla"] = row["pallas_us"] / row["xla_us"]
                 row["best_over_bf16"] = min(row["pallas_us"], row["xla_us"]) / row["bf16_us"]
+                row["pallas_TBps"] = row["bytes"] / row["pallas_us"] / 1e6
                 cells.append(row)
                 print(f"kernel {name:10s} {fmt:5s} rows {m:3d}: bf16 {row['bf16_us']:8.2f} us, xla "
                       f"{row['xla_us']:8.2f} us, pallas {row['pallas_us']:8.2f} us, roofline {row['roofline_us']:8.2f}"
                       f" us, rel err {rel:.1e}", flush=True)
-    out = {"cells": cells, "read_bandwidth_Bps": bandwidth, "tolerance_rel": TOLERANCE,
-           "gpu_default_impl": qmm.GPU_DEFAULT_IMPL,
-           "tiles": {k: getattr(qmm, k) for k in ("MAX_ROWS", "BLOCK_N", "BLOCK_K", "TARGET_PROGRAMS", "NUM_WARPS",
-                                                  "NUM_STAGES")}}
-    if sweep:
-        out["sweep"] = sweep_tiles(shapes, rows, iters, inner)
-    return out
+    return {"cells": cells, "read_bandwidth_Bps": bandwidth, "tolerance_rel": TOLERANCE,
+            "gpu_default_impl": qmm.GPU_DEFAULT_IMPL, "max_rows": qmm.MAX_ROWS,
+            "gemv_tiles": qmm.GEMV_TILES._asdict(), "dot_tiles": qmm.DOT_TILES._asdict()}
 
 
-def sweep_tiles(shapes: dict, rows: tuple, iters: int, inner: int) -> list:
-    """The kernel over tile settings, on the largest layer weight (w_down) in q8_0 and q4_0, fewest and most rows."""
-    shape, interpret = shapes["w_down"], jax.default_backend() != "gpu"
+SWEEP = {
+    "gemv": [qmm.Tiles(bn, bk, programs, 4, 3) for bn in (64, 128, 256) for bk in (32, 64, 128)
+             for programs in (264, 1056)],
+    "dot": [qmm.Tiles(bn, bk, programs, 4, 3) for bn in (64, 128) for bk in (128, 256)
+            for programs in (132, 264, 528)],
+}
+"""Tile settings `--sweep` times: one grid per kernel, the same on every weight, so one default can be chosen."""
+
+
+def sweep_tiles(shapes: dict, formats: tuple, out_dir: str, iters: int, calls: int, tiny: bool) -> dict:
+    """Each kernel (GEMV at 1 row, product at 16) over its `SWEEP` grid on the layer weights with the smallest N
+    (wqkv) and the largest K (w_down), per format; rewrites `quant_sweep.json` after each setting, and ranks the
+    settings by the geometric mean of their times over the weights and formats."""
+    interpret = jax.default_backend() != "gpu"
+    grids = {kernel: grid[:2] if tiny else grid for kernel, grid in SWEEP.items()}
     results = []
-    for fmt in ("q8_0", "q4_0"):
-        _, q = _packed(jax.random.key(1), shape, fmt)
-        for m in sorted({rows[0], rows[-1]}):
-            x = jax.random.normal(jax.random.key(m), (m, shape[0]), jnp.bfloat16)
-            for block_n in (64, 128, 256):
-                for block_k in (128, 256, 512):
-                    for warps, stages in ((4, 2), (4, 3), (8, 3)):
-                        tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
-                        fn = functools.partial(qmm._pallas_matmul, fmt=fmt, compute=jnp.dtype(jnp.bfloat16),
-                                               interpret=interpret, **tiles)
-                        us = per_call_us(lambda a, d, s: fn(a, d, s), x, (q.data, q.scales), iters, inner)
-                        results.append({"format": fmt, "rows": m, **tiles, "pallas_us": us})
-                        print(f"sweep {fmt} rows {m}: {tiles} {us:8.2f} us", flush=True)
-    return results
+    for kernel, grid in grids.items():
+        m = 1 if kernel == "gemv" else 16
+        for name in ("wqkv", "w_down"):
+            for fmt in formats:
+                _, q = _packed(jax.random.key(1), shapes[name], fmt)
+                x = jax.random.normal(jax.random.key(m), (m, shapes[name][0]), jnp.bfloat16)
+                for tiles in grid:
+                    fn = functools.partial(qmm._pallas_matmul, fmt=fmt, compute=jnp.dtype(jnp.bfloat16),
+                                           interpret=interpret, tiles=tiles)
+                    try:
+                        us = common.per_call_us(lambda a, d, s: fn(a, d, s), x, (q.data, q.scales), iters, calls)
+                    except Exception as e:  # a setting the GPU refuses (resources) is recorded, not fatal
+                        us, error = None, f"{type(e).__name__}: {str(e)[:200]}"
+                    else:
+                        error = None
+                    results.append({"kernel": kernel, "weight": name, "format": fmt, "rows": m, **tiles._asdict(),
+                                    "us": us, "TBps": q.nbytes / us / 1e6 if us else None, "error": error})
+                    print(f"sweep {kernel} {name} {fmt} rows {m}: {tuple(tiles)} "
+                          f"{'%.2f us' % us if us else error}", flush=True)
+                    common.write_json("quant_sweep.json", {**common.environment(), "cells": results,
+                                                           "ranking": rank(results)}, out_dir)
+    return {"cells": results, "ranking": rank(results)}
+
+
+def rank(results: list) -> dict:
+    """Per kernel, settings measured on every (weight, format) it ran, best geometric mean first."""
+    out = {}
+    for kernel in SWEEP:
+        cells = [c for c in results if c["kernel"] == kernel]
+        groups = {(c["weight"], c["format"]) for c in cells}
+        by_tiles = {}
+        for c in cells:
+            by_tiles.setdefault(tuple(c[f] for f in qmm.Tiles._fields), []).append(c["us"])
+        scored = [(float(np.exp(np.mean(np.log(v)))), t) for t, v in by_tiles.items()
+                  if len(v) == len(groups) and all(v)]
+        out[kernel] = [{"geomean_us": g, **dict(zip(qmm.Tiles._fields, t))} for g, t in sorted(scored)[:5]]
+    return out
 
 
 def drafter_part(target, drafter, args, counter) -> list:
@@ -240,9 +252,14 @@ def parse_args(argv):
     ap.add_argument("--target-precisions", nargs="+", default=["bf16", "int8"], choices=list(policy.PRECISIONS))
     ap.add_argument("--quant-impl", default=None, choices=list(qmm.IMPLS),
                     help="quantised product of the drafter and target parts on the GPU (default: quant_matmul's)")
-    ap.add_argument("--sweep", action="store_true", help="kernel part: also time tile settings")
-    ap.add_argument("--iters", type=int, default=20, help="kernel part: timed samples per cell (median)")
-    ap.add_argument("--inner", type=int, default=50, help="kernel part: calls per sample, in one jitted loop")
+    ap.add_argument("--sweep", action="store_true",
+                    help="kernel part: first time tile settings, and run the rest of the command with the best")
+    ap.add_argument("--kernel-rows", nargs="+", type=int, default=[1, 16, 64], help="kernel part: rows per cell")
+    ap.add_argument("--kernel-weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS),
+                    help="kernel part: the weights timed")
+    ap.add_argument("--sweep-formats", nargs="+", default=["int8", "q8_0"], choices=list(qmm.FORMATS))
+    ap.add_argument("--iters", type=int, default=10, help="kernel part: timed samples per cell (median)")
+    ap.add_argument("--kernel-calls", type=int, default=32, help="kernel part: calls per sample, in one jitted program")
     ours, rest = ap.parse_known_args(argv)
     batches_given = "--batches" in (rest or [])
     args = spec_round.parse_args(rest, __doc__, TAU)
@@ -267,10 +284,17 @@ def main(argv=None):
                "quant_impl": qmm.default_impl()}
     if "kernel" in args.parts:
         shapes = weight_shapes(target.config, drafter.config)
-        if args.tiny:  # interpreted: two weights and one row count test the script
-            shapes = {k: shapes[k] for k in ("w_down", "drafter_fc")}
-        iters, inner = (1, 2) if args.tiny else (args.iters, args.inner)
-        payload["kernel"] = kernel_part(shapes, (16,) if args.tiny else (1, 16, 64), iters, inner, args.sweep)
+        iters, calls = (1, 2) if args.tiny else (args.iters, args.kernel_calls)
+        if args.sweep:
+            payload["sweep"] = sweep_tiles(shapes, tuple(args.sweep_formats), out_dir, iters if args.tiny else 5,
+                                           calls if args.tiny else 16, args.tiny)
+            best = {k: v[0] for k, v in payload["sweep"]["ranking"].items() if v}
+            if "gemv" in best:
+                qmm.GEMV_TILES = qmm.Tiles(*(best["gemv"][f] for f in qmm.Tiles._fields))
+            if "dot" in best:
+                qmm.DOT_TILES = qmm.Tiles(*(best["dot"][f] for f in qmm.Tiles._fields))
+        shapes = {k: shapes[k] for k in (("w_down", "drafter_fc") if args.tiny else args.kernel_weights)}
+        payload["kernel"] = kernel_part(shapes, (1, 16) if args.tiny else tuple(args.kernel_rows), iters, calls)
     if "drafter" in args.parts:
         cells = drafter_part(target, drafter, args, acc.CompileCounter())
         payload["drafter_round"] = {"cells": merge(previous.get("drafter_round", {}).get("cells", []), cells,

@@ -12,24 +12,30 @@ along K, the input axis, as the original's blocks run along each output row:
 Scales sit apart from the values (not interleaved per block as in the original's byte stream), so a
 tile of either is one rectangular load.
 
-Semantics (both impls): W is dequantised in float32 (value x scale), rounded to the compute dtype (the
-model's, bf16 or float32), and multiplied with float32 accumulation; float32 products run at HIGHEST, as
-every float32 product of the project does. The result is cast to `out_dtype`.
+Semantics: W is dequantised in float32 (value x scale) and multiplied with float32 accumulation; float32
+products run at HIGHEST, as every float32 product of the project does. The result is cast to `out_dtype`. An int8
+weight's one scale per output channel multiplies the sums (`(x @ q) * s`, exact in the values: every int8 is a
+bf16), so its product reads the int8 values and nothing else. The block formats' scales vary along K and are
+applied to the weight: the reference and the product kernel round the scaled weight to the compute dtype (the
+model's, bf16 or float32) and multiply on the tensor cores; the GEMV keeps it in float32.
 
-- `impl="xla"`, the reference: dequantise the whole weight, then one `jnp.matmul`. XLA may fuse the
-  dequantisation into the product's operand; `bench/quant.py` measures whether it does.
-- `impl="pallas"`: a GEMV/GEMM kernel for 1 to `MAX_ROWS` rows (Triton lowering) that reads the packed
-  tiles and expands them in registers. Grid (row tile, column tile, K split): each program walks its
-  share of K in tiles of `block_k` (a multiple of 32, so a tile holds whole blocks), dequantises the
-  weight tile, and accumulates `[bm, bn]` in float32; the K splits (enough programs to fill the GPU when N
-  is small) are summed afterwards in a fixed order. For q4_0, x's columns are first split into the low and
-  high halves of each block (`[2, M, K/2]`), so the two nibble planes of a packed tile each meet their
-  own half of x and nothing is interleaved in registers. More rows than `MAX_ROWS` (prefill) are a
-  compute-bound GEMM and take the reference, as do weights whose N has no power-of-two factor of 16.
+- `impl="xla"`, the reference: dequantise the whole weight (int8: convert it), then one `jnp.matmul`. XLA may
+  fuse the dequantisation into the product's operand; `bench/quant.py` measures whether it does.
+- `impl="pallas"` (Triton lowering), for 1 to `MAX_ROWS` rows, reads the packed tiles and expands them in
+  registers. Grid (row tile, column tile, K split): each program walks its share of K in tiles of `block_k` (a
+  multiple of 32, so a tile holds whole blocks), and the K splits (enough programs to fill the GPU when N is
+  small) are summed afterwards in a fixed order. One row takes a GEMV: multiply-adds into a `[block_k, bn]`
+  float32 accumulator and one sum over K at the end, as a tensor-core tile of 16 rows would waste 15 of them.
+  More rows take the product kernel: a `[bm, bn]` accumulator on the tensor cores. For q4_0, x's columns are
+  first split into the low and high halves of each block (`[2, M, K/2]`), so the two nibble planes of a packed
+  tile each meet their own half of x and nothing is interleaved in registers. More rows than `MAX_ROWS`
+  (prefill) are a compute-bound GEMM and take the reference, as do weights whose N has no power-of-two factor
+  of 16.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,17 +51,26 @@ IMPLS = ("xla", "pallas")
 PACKED_DTYPES = {"int8": ("int8", "float32"), "q8_0": ("int8", "float16"), "q4_0": ("uint8", "float16")}
 """(values, scales) dtypes of each format."""
 
-# The impl a quantised product uses on a GPU. The reference until bench/quant.py has timed the kernel on the
-# H200 (it lowers to Triton here, and matches the reference in interpret mode, but has not run on a GPU yet).
+# The impl a quantised product uses on a GPU, from bench/quant.py on the H200.
 GPU_DEFAULT_IMPL = "xla"
 
-# Tile settings: first guesses for the lead's sweep (bench/quant.py --sweep), not yet measured.
-MAX_ROWS = 64  # the most rows the kernel takes; more run the reference
-BLOCK_N = 128  # largest column tile; the tile is the largest power of two <= this that divides N
-BLOCK_K = 256  # largest K tile (a multiple of 32); the tile is the largest power of two <= this that divides K
-TARGET_PROGRAMS = 264  # K is split until the grid has about this many programs (2 per H200 SM)
-NUM_WARPS = 4
-NUM_STAGES = 3
+MAX_ROWS = 64  # the most rows the kernels take; more run the reference
+
+
+class Tiles(NamedTuple):
+    """A kernel's tile settings: the largest column and K tiles (each shrinks to the largest power of two that
+    divides its dimension), the programs K is split towards, and Triton's warps and pipeline stages."""
+
+    block_n: int
+    block_k: int
+    programs: int
+    num_warps: int
+    num_stages: int
+
+
+# First guesses, to be replaced by bench/quant.py --sweep on the H200.
+GEMV_TILES = Tiles(block_n=128, block_k=64, programs=528, num_warps=4, num_stages=3)
+DOT_TILES = Tiles(block_n=128, block_k=256, programs=264, num_warps=4, num_stages=3)
 
 
 def default_impl(backend: str | None = None) -> str:
@@ -134,9 +149,12 @@ def _precision(dtype):
 
 
 def _reference(x, data, scales, fmt, compute, out):
+    x = x.astype(compute)
+    if fmt == "int8":
+        y = jnp.matmul(x, data.astype(compute), precision=_precision(compute), preferred_element_type=jnp.float32)
+        return (y * scales[0].astype(jnp.float32)).astype(out)
     w = dequantize(data, scales, fmt).astype(compute)
-    y = jnp.matmul(x.astype(compute), w, precision=_precision(compute), preferred_element_type=jnp.float32)
-    return y.astype(out)
+    return jnp.matmul(x, w, precision=_precision(compute), preferred_element_type=jnp.float32).astype(out)
 
 
 def _tile_scales(s, rows: int):
@@ -145,34 +163,67 @@ def _tile_scales(s, rows: int):
     return jnp.broadcast_to(s[:, None, :], (blocks, rows // blocks, bn)).reshape(rows, bn)
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, steps: int):
-    """One (row tile, column tile, K split): `steps` tiles of `block_k` inputs, float32 accumulation.
+def _weight_tiles(w_ref, s_ref, t, fmt: str, block_k: int):
+    """The float32 weight tiles of step `t`, each with the slice of x's columns it meets: `[(start, length,
+    tile)]`, one for int8 and q8_0, two nibble planes for q4_0. int8 tiles stay unscaled (its one scale per
+    output channel multiplies the sums)."""
+    f32 = jnp.float32
+    if fmt == "int8":
+        return [(t * block_k, block_k, w_ref[pl.ds(t * block_k, block_k), :].astype(f32))]
+    blocks = block_k // BLOCK
+    s = s_ref[pl.ds(t * blocks, blocks), :].astype(f32)
+    if fmt == "q8_0":
+        return [(t * block_k, block_k, w_ref[pl.ds(t * block_k, block_k), :].astype(f32) * _tile_scales(s, block_k))]
+    half = block_k // 2
+    packed = w_ref[pl.ds(t * half, half), :]
+    s = _tile_scales(s, half)
+    return [(t * half, half, (nibbles.astype(f32) - 8.0) * s) for nibbles in (packed & 0xF, packed >> 4)]
 
-    x_ref: [bm, Ks] ([2, bm, Ks/2], the block halves, for q4_0); w_ref: [Ks, bn] ([Ks/2, bn] for q4_0);
-    s_ref: [Ks/32, bn] ([1, bn] for int8); o_ref: [bm, bn] float32.
-    """
+
+def _x_tile(x_ref, plane: int, start, length: int, fmt: str, column: bool):
+    """x's columns `[start, start + length)` (of nibble plane `plane` for q4_0): `[length, 1]` for the GEMV,
+    `[bm, length]` for the product."""
+    cols = pl.ds(start, length)
+    if fmt == "q4_0":
+        return x_ref[plane, cols, :] if column else x_ref[plane, :, cols]
+    return x_ref[cols, :] if column else x_ref[:, cols]
+
+
+def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, block_k: int, steps: int):
+    """One row: (column tile, K split) walks `steps` tiles of `block_k` inputs, multiplying each dequantised
+    float32 tile by x's column slice into a `[block_k, bn]` float32 accumulator, summed over K once at the end
+    (a cross-thread sum per tile would cost more than the tile's arithmetic).
+
+    x_ref: [Ks, 1] ([2, Ks/2, 1], the block halves, for q4_0); w_ref, s_ref as for `_kernel`; o_ref: [1, bn]."""
+    f32 = jnp.float32
+
+    def step(t, acc):
+        for plane, (start, length, w) in enumerate(_weight_tiles(w_ref, s_ref, t, fmt, block_k)):
+            acc = acc + _x_tile(x_ref, plane, start, length, fmt, column=True).astype(f32) * w
+        return acc
+
+    rows = block_k // 2 if fmt == "q4_0" else block_k
+    y = jnp.sum(lax.fori_loop(0, steps, step, jnp.zeros((rows, o_ref.shape[-1]), f32)), axis=0, keepdims=True)
+    o_ref[...] = y * s_ref[...].astype(f32) if fmt == "int8" else y
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, steps: int):
+    """Rows 2 to `MAX_ROWS`: (row tile, column tile, K split) walks `steps` tiles of `block_k` inputs, each
+    dequantised tile rounded to the compute dtype and multiplied on the tensor cores, float32 accumulation.
+
+    x_ref: [bm, Ks] ([2, bm, Ks/2] for q4_0); w_ref: [Ks, bn] ([Ks/2, bn] for q4_0); s_ref: [Ks/32, bn]
+    ([1, bn] for int8); o_ref: [bm, bn] float32."""
     f32 = jnp.float32
     dot = functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())),
                             precision=_precision(compute), preferred_element_type=f32)
-    blocks = block_k // BLOCK
 
     def step(t, acc):
-        if fmt == "int8":
-            w = w_ref[pl.ds(t * block_k, block_k), :].astype(f32) * s_ref[...].astype(f32)
-            return acc + dot(x_ref[:, pl.ds(t * block_k, block_k)].astype(compute), w.astype(compute))
-        s = s_ref[pl.ds(t * blocks, blocks), :].astype(f32)
-        if fmt == "q8_0":
-            w = w_ref[pl.ds(t * block_k, block_k), :].astype(f32) * _tile_scales(s, block_k)
-            return acc + dot(x_ref[:, pl.ds(t * block_k, block_k)].astype(compute), w.astype(compute))
-        half = block_k // 2
-        packed = w_ref[pl.ds(t * half, half), :]
-        s = _tile_scales(s, half)
-        for plane, nibbles in enumerate((packed & 0xF, packed >> 4)):
-            w = (nibbles.astype(f32) - 8.0) * s
-            acc = acc + dot(x_ref[plane, :, pl.ds(t * half, half)].astype(compute), w.astype(compute))
+        for plane, (start, length, w) in enumerate(_weight_tiles(w_ref, s_ref, t, fmt, block_k)):
+            acc = acc + dot(_x_tile(x_ref, plane, start, length, fmt, column=False).astype(compute), w.astype(compute))
         return acc
 
-    o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, f32))
+    y = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, f32))
+    o_ref[...] = y * s_ref[...].astype(f32) if fmt == "int8" else y
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -192,49 +243,62 @@ def fit_stages(bm: int, bn: int, bk: int, x_itemsize: int, fmt: str, num_stages:
     return num_stages
 
 
-def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, block_n: int = BLOCK_N,
-                   block_k: int = BLOCK_K, k_splits: int | None = None, num_warps: int = NUM_WARPS,
-                   num_stages: int = NUM_STAGES):
-    """Pad rows to a Triton tile, split K until the grid is full, run the kernel, sum the splits.
+def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles: Tiles | None = None,
+                   k_splits: int | None = None):
+    """Pick the GEMV (one row) or the product kernel, split K until the grid is full, run it, sum the splits.
 
-    Tiles: rows `bm` = the next power of two >= M (16 at least, `MAX_ROWS` at most); columns the largest
-    power of two <= block_n dividing N; K the largest power of two <= block_k dividing K (a multiple of 32).
-    The split count depends on K and N only, so a row's result does not depend on how many rows came with it."""
+    Tiles (`tiles`, default `GEMV_TILES` or `DOT_TILES`): rows `bm` = the next power of two >= M (16 at least,
+    `MAX_ROWS` at most; 1 for the GEMV); columns the largest power of two <= block_n dividing N; K the largest
+    power of two <= block_k dividing K (a multiple of 32). The split count depends on K, N and the tiles only, so
+    a row's result does not depend on how many rows came with it beyond which kernel runs."""
     m, k = x.shape
     n = data.shape[1]
-    bm = min(MAX_ROWS, max(16, pl.next_power_of_2(m)))
-    bn = min(n & -n, block_n)
-    bk = min(k & -k, block_k)
+    gemv = m == 1
+    tiles = tiles or (GEMV_TILES if gemv else DOT_TILES)
+    bm = 1 if gemv else min(MAX_ROWS, max(16, pl.next_power_of_2(m)))
+    bn = min(n & -n, tiles.block_n)
+    bk = min(k & -k, tiles.block_k)
     if bk % BLOCK or bn < 16:
         raise ValueError(f"quant_matmul: tiles K {bk} (from K = {k}) and N {bn} (from N = {n}) do not fit the "
                          f"kernel: K needs whole blocks of {BLOCK} and N a power-of-two factor of 16.")
-    num_stages = fit_stages(bm, bn, bk, x.dtype.itemsize, fmt, num_stages)
-    tiles = k // bk
+    num_stages = fit_stages(bm, bn, bk, x.dtype.itemsize, fmt, tiles.num_stages)
+    k_tiles = k // bk
     m_tiles, n_tiles = -(-m // bm), n // bn
     if k_splits is None:
-        k_splits = _largest_divisor(tiles, -(-TARGET_PROGRAMS // n_tiles))
-    if tiles % k_splits:
-        raise ValueError(f"quant_matmul: k_splits={k_splits} does not divide the {tiles} K tiles of {bk}.")
+        k_splits = _largest_divisor(k_tiles, -(-tiles.programs // (n_tiles * m_tiles)))
+    if k_tiles % k_splits:
+        raise ValueError(f"quant_matmul: k_splits={k_splits} does not divide the {k_tiles} K tiles of {bk}.")
     ks = k // k_splits
-    xp = jnp.pad(x, ((0, m_tiles * bm - m), (0, 0)))
+    xp = x if gemv else jnp.pad(x, ((0, m_tiles * bm - m), (0, 0)))
     if fmt == "q4_0":
         xp = xp.reshape(-1, k // BLOCK, 2, BLOCK // 2).transpose(2, 0, 1, 3).reshape(2, -1, k // 2)
-        x_spec = pl.BlockSpec((2, bm, ks // 2), lambda i, j, p: (0, i, p))
         w_spec = pl.BlockSpec((ks // 2, bn), lambda i, j, p: (p, j))
+        if gemv:
+            xp = xp.transpose(0, 2, 1)
+            x_spec = pl.BlockSpec((2, ks // 2, 1), lambda i, j, p: (0, p, 0))
+        else:
+            x_spec = pl.BlockSpec((2, bm, ks // 2), lambda i, j, p: (0, i, p))
     else:
-        x_spec = pl.BlockSpec((bm, ks), lambda i, j, p: (i, p))
         w_spec = pl.BlockSpec((ks, bn), lambda i, j, p: (p, j))
+        if gemv:
+            xp = xp.reshape(k, 1)
+            x_spec = pl.BlockSpec((ks, 1), lambda i, j, p: (p, 0))
+        else:
+            x_spec = pl.BlockSpec((bm, ks), lambda i, j, p: (i, p))
     s_spec = (pl.BlockSpec((1, bn), lambda i, j, p: (0, j)) if fmt == "int8"
               else pl.BlockSpec((ks // BLOCK, bn), lambda i, j, p: (p, j)))
-    kernel = functools.partial(_kernel, fmt=fmt, compute=compute, block_k=bk, steps=ks // bk)
+    if gemv:
+        kernel = functools.partial(_gemv_kernel, fmt=fmt, block_k=bk, steps=ks // bk)
+    else:
+        kernel = functools.partial(_kernel, fmt=fmt, compute=compute, block_k=bk, steps=ks // bk)
     partial_sums = pl.pallas_call(
         kernel,
         grid=(m_tiles, n_tiles, k_splits),
         in_specs=[x_spec, w_spec, s_spec],
         out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, p: (p, i, j)),
         out_shape=jax.ShapeDtypeStruct((k_splits, m_tiles * bm, n), jnp.float32),
-        compiler_params=_triton_compiler_params(num_warps, num_stages),
+        compiler_params=_triton_compiler_params(tiles.num_warps, num_stages),
         interpret=interpret,
-        name=f"quant_matmul_{fmt}",
+        name=f"quant_{'gemv' if gemv else 'matmul'}_{fmt}",
     )(xp, data, scales)
-    return partial_sums.sum(axis=0)[:m]
+    return (partial_sums[0] if k_splits == 1 else partial_sums.sum(axis=0))[:m]

@@ -200,16 +200,24 @@ def test_kernel_equals_the_reference_in_interpret_mode(fmt, m, k, n, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64), rtol=tol, atol=tol)
 
 
-def test_kernel_tiles_and_k_splits_sum_the_same_and_rows_do_not_affect_each_other():
+@pytest.mark.parametrize("fmt", qmm.FORMATS)
+@pytest.mark.parametrize("m", [1, 16])
+def test_kernel_tiles_and_k_splits_sum_the_same_and_rows_do_not_affect_each_other(fmt, m):
+    """The GEMV (one row) and the product kernel (more) give the same sums at any tiles and K split, and a
+    row's result does not depend on the rows that came with it through the same kernel."""
     rng = np.random.RandomState(3)
-    data, scales = _random_packed(rng, 256, 64, "q8_0")
-    x = jnp.asarray(rng.randn(16, 256), jnp.float32)
-    run = lambda a, **tiles: qmm._pallas_matmul(a, data, scales, fmt="q8_0", compute=jnp.dtype(jnp.float32),
-                                               interpret=True, **tiles)
+    data, scales = _random_packed(rng, 256, 64, fmt)
+    x = jnp.asarray(rng.randn(m, 256), jnp.float32)
+    run = lambda a, k_splits=None, **tiles: qmm._pallas_matmul(
+        a, data, scales, fmt=fmt, compute=jnp.dtype(jnp.float32), interpret=True, k_splits=k_splits,
+        tiles=qmm.Tiles(**{**qmm.DOT_TILES._asdict(), **tiles}) if tiles else None)
     whole = run(x, block_n=64, block_k=256, k_splits=1)
     split = run(x, block_n=16, block_k=32, k_splits=4)
     np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-5, atol=1e-5)
-    assert np.array_equal(np.asarray(run(x[:1])), np.asarray(run(x))[:1]), "a row's result depends on its company"
+    want = np.asarray(x, np.float64) @ np.asarray(qmm.dequantize(data, scales, fmt), np.float64)
+    np.testing.assert_allclose(np.asarray(whole), want, rtol=1e-5, atol=1e-5)
+    if m > 1:
+        assert np.array_equal(np.asarray(run(x[:3])), np.asarray(run(x))[:3]), "a row's result depends on its company"
     with pytest.raises(ValueError, match="k_splits=3 does not divide the 8 K tiles"):
         run(x, block_k=32, k_splits=3)
 
@@ -219,12 +227,13 @@ def test_kernel_tiles_and_k_splits_sum_the_same_and_rows_do_not_affect_each_othe
 def test_kernel_stages_fit_shared_memory(fmt, bm):
     """At 64 q8_0 rows the default three stages asked an H200 for 233,472 bytes of shared memory (232,448 there):
     stages drop until the estimate fits, and only where they must (fewer rows ran at three)."""
-    stages = qmm.fit_stages(bm, qmm.BLOCK_N, qmm.BLOCK_K, 2, fmt, qmm.NUM_STAGES)
-    packed = qmm.BLOCK_K // 2 if fmt == "q4_0" else qmm.BLOCK_K
-    scales = 4 if fmt == "int8" else qmm.BLOCK_K // qmm.BLOCK * 2
-    per_stage = bm * qmm.BLOCK_K * 2 + packed * qmm.BLOCK_N + scales * qmm.BLOCK_N
-    assert stages * per_stage + bm * qmm.BLOCK_N * 4 <= qmm.SMEM_BYTES
-    assert stages == (2 if (fmt, bm) == ("q8_0", 64) else qmm.NUM_STAGES)
+    t = qmm.Tiles(block_n=128, block_k=256, programs=264, num_warps=4, num_stages=3)
+    stages = qmm.fit_stages(bm, t.block_n, t.block_k, 2, fmt, t.num_stages)
+    packed = t.block_k // 2 if fmt == "q4_0" else t.block_k
+    scales = 4 if fmt == "int8" else t.block_k // qmm.BLOCK * 2
+    per_stage = bm * t.block_k * 2 + packed * t.block_n + scales * t.block_n
+    assert stages * per_stage + bm * t.block_n * 4 <= qmm.SMEM_BYTES
+    assert stages == (2 if (fmt, bm) == ("q8_0", 64) else t.num_stages)
 
 
 def test_rows_past_the_kernel_and_untileable_widths_take_the_reference():
