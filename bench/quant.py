@@ -99,9 +99,9 @@ def kernel_part(shapes: dict, rows: tuple, iters: int, calls: int) -> dict:
 
 
 SWEEP = {
-    "gemv": [qmm.Tiles(bn, bk, programs, 4, 3) for bn in (64, 128, 256) for bk in (32, 64, 128)
+    "gemv": [qmm.Tiles(bn, bk, programs, 4, 3) for bn, bk in ((64, 128), (128, 64), (256, 32), (256, 64))
              for programs in (264, 1056)],
-    "dot": [qmm.Tiles(bn, bk, programs, 4, 3) for bn in (64, 128) for bk in (128, 256)
+    "dot": [qmm.Tiles(bn, bk, programs, 4, 3) for bn, bk in ((64, 256), (128, 128), (128, 256))
             for programs in (132, 264, 528)],
 }
 """Tile settings `--sweep` times: one grid per kernel, the same on every weight, so one default can be chosen."""
@@ -295,14 +295,16 @@ def main(argv=None):
                 qmm.DOT_TILES = qmm.Tiles(*(best["dot"][f] for f in qmm.Tiles._fields))
         shapes = {k: shapes[k] for k in (("w_down", "drafter_fc") if args.tiny else args.kernel_weights)}
         payload["kernel"] = kernel_part(shapes, (1, 16) if args.tiny else tuple(args.kernel_rows), iters, calls)
-    if "drafter" in args.parts:
-        cells = drafter_part(target, drafter, args, acc.CompileCounter())
-        payload["drafter_round"] = {"cells": merge(previous.get("drafter_round", {}).get("cells", []), cells,
-                                                   ("precision", "batch", "prompt"))}
+        common.write_json(f"{name}.json", payload, out_dir)  # each part is kept should a later one not finish
     if "target" in args.parts:
         cells = target_part(target, args)
         payload["target_plain"] = {"cells": merge(previous.get("target_plain", {}).get("cells", []), cells,
                                                   ("precision", "batch"))}
+        common.write_json(f"{name}.json", {**payload, "summary": summarise(payload)}, out_dir)
+    if "drafter" in args.parts:
+        cells = drafter_part(target, drafter, args, acc.CompileCounter())
+        payload["drafter_round"] = {"cells": merge(previous.get("drafter_round", {}).get("cells", []), cells,
+                                                   ("precision", "batch", "prompt"))}
     payload["summary"] = summarise(payload)
     common.write_json(f"{name}.json", payload, out_dir)
     plot(payload, os.path.join(out_dir, f"{name}.png"))
