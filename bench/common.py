@@ -169,9 +169,10 @@ def per_call_us(fn, x, consts, iters: int = 10, calls: int = 32) -> float:
     iteration), each on its own copy of `consts` and its own buffer of `x`. Shared copies let XLA merge the dots
     that share a weight into one product (its dot merger): on the H200, 32 calls cycling over two copies of an
     LM head timed at 7 us a call, against 280 us to read it once. Own copies also keep each call's weights out of
-    the L2 cache, so it reads them from HBM as a step reads each layer's. The program at `calls` and at `2 * calls` is timed (median of `iters`) and the difference divided by
-    `calls`, which cancels the launch (where noise leaves no difference, the longer program's time per call, an
-    upper bound). `calls` shrinks so that the copies stay within `POOL_BYTES`."""
+    the L2 cache, so it reads them from HBM as a step reads each layer's. The program at `calls` and at
+    `2 * calls` is timed (median of `iters`) and the difference divided by `calls`, which cancels the launch
+    (where noise leaves no difference, the longer program's time per call, an upper bound). `calls` shrinks so
+    that the copies stay within `POOL_BYTES`."""
     size = sum(int(np.prod(c.shape)) * c.dtype.itemsize for c in jax.tree_util.tree_leaves(consts))
     calls = max(2, min(calls, POOL_BYTES // (2 * max(size, 1))))
     pool = [consts] + [jax.tree_util.tree_map(jnp.copy, consts) for _ in range(2 * calls - 1)]
@@ -180,17 +181,7 @@ def per_call_us(fn, x, consts, iters: int = 10, calls: int = 32) -> float:
     def program(n):
         return jax.jit(lambda a, p: [fn(a[i], *p[i]) for i in range(n)])
 
-    def median_s(n):
-        run, args = program(n), (xs[:n], pool[:n])
-        jax.block_until_ready(run(*args))
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            jax.block_until_ready(run(*args))
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    once, twice = median_s(calls), median_s(2 * calls)
+    once, twice = (timed(program(n), xs[:n], pool[:n], reps=iters)[0] for n in (calls, 2 * calls))
     return 1e6 * (twice - once) / calls if twice > once else 1e6 * twice / (2 * calls)  # noise: the upper bound
 
 
