@@ -168,8 +168,9 @@ def per_call_us(fn, x, consts, iters: int = 10, calls: int = 32) -> float:
     One jitted program makes `calls` calls in a row (unrolled: timed in a device loop, a 50 MB bf16 product took
     3x its read time, a fixed cost per iteration), each on its own copy of `consts` and its own buffer of `x`.
     Shared copies let XLA merge the dots that share a weight into one product (its dot merger): on the H200, 32
-    calls cycling over two copies of an LM head timed at 7 us a call, against 280 us to read it once. Own copies also keep each call's weights out of
-    the L2 cache, so it reads them from HBM as a step reads each layer's. The program at `calls` and at
+    calls cycling over two copies of an LM head timed at 7 us a call, against 280 us to read it once. Own copies
+    also keep each call's weights out of the L2 cache, so it reads them from HBM as a step reads each layer's.
+    The program at `calls` and at
     `2 * calls` is timed (median of `iters`) and the difference divided by `calls`, which cancels the launch
     (where noise leaves no difference, the longer program's time per call, an upper bound). `calls` shrinks so
     that the copies stay within `POOL_BYTES`."""
