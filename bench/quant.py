@@ -288,11 +288,9 @@ def main(argv=None):
         if args.sweep:
             payload["sweep"] = sweep_tiles(shapes, tuple(args.sweep_formats), out_dir, iters if args.tiny else 5,
                                            calls if args.tiny else 16, args.tiny)
-            best = {k: v[0] for k, v in payload["sweep"]["ranking"].items() if v}
-            if "gemv" in best:
-                qmm.GEMV_TILES = qmm.Tiles(*(best["gemv"][f] for f in qmm.Tiles._fields))
-            if "dot" in best:
-                qmm.DOT_TILES = qmm.Tiles(*(best["dot"][f] for f in qmm.Tiles._fields))
+            for kernel, ranked in payload["sweep"]["ranking"].items():
+                if ranked:
+                    setattr(qmm, f"{kernel.upper()}_TILES", qmm.Tiles(**{f: ranked[0][f] for f in qmm.Tiles._fields}))
         shapes = {k: shapes[k] for k in (("w_down", "drafter_fc") if args.tiny else args.kernel_weights)}
         payload["kernel"] = kernel_part(shapes, (1, 16) if args.tiny else tuple(args.kernel_rows), iters, calls)
         common.write_json(f"{name}.json", payload, out_dir)  # each part is kept should a later one not finish
