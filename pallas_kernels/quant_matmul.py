@@ -19,8 +19,9 @@ bf16), so its product reads the int8 values and nothing else. The block formats'
 applied to the weight: the reference and the product kernel round the scaled weight to the compute dtype (the
 model's, bf16 or float32) and multiply on the tensor cores; the GEMV keeps it in float32.
 
-- `impl="xla"`, the reference: dequantise the whole weight (int8: convert it), then one `jnp.matmul`. XLA may
-  fuse the dequantisation into the product's operand; `bench/quant.py` measures whether it does.
+- `impl="xla"`, the reference: dequantise the whole weight (int8: convert it), then one `jnp.matmul`. XLA fuses
+  int8's convert into its product (on the H200 it reads the int8 values: `bench/results/quant_probe.json`), but
+  not the block formats' scaling, whose weight it writes out dequantised first.
 - `impl="pallas"` (Triton lowering), for 1 to `MAX_ROWS` rows, reads the packed tiles and expands them in
   registers. Grid (row tile, column tile, K split): each program walks its share of K in tiles of `block_k` (a
   multiple of 32, so a tile holds whole blocks), and the K splits (enough programs to fill the GPU when N is
@@ -31,6 +32,9 @@ model's, bf16 or float32) and multiply on the tensor cores; the GEMV keeps it in
   tile each meet their own half of x and nothing is interleaved in registers. More rows than `MAX_ROWS`
   (prefill) are a compute-bound GEMM and take the reference, as do weights whose N has no power-of-two factor
   of 16.
+- `impl="auto"`, the GPU default: the form measured fastest on the H200 (`choose`). One int8 row through a large
+  weight (`REDUCE_MIN_ELEMENTS`) takes `sum(x[:, None] * q, 0) * s`, which XLA fuses into one column reduction
+  over the int8 values; everything else takes the kernel.
 """
 from __future__ import annotations
 
@@ -47,15 +51,20 @@ from pallas_kernels.windowed_attention import SMEM_BYTES, _triton_compiler_param
 FORMATS = ("int8", "q8_0", "q4_0")
 BLOCK = 32
 """Values per block of the block formats (q8_0, q4_0): one float16 scale each."""
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "auto")
 PACKED_DTYPES = {"int8": ("int8", "float32"), "q8_0": ("int8", "float16"), "q4_0": ("uint8", "float16")}
 """(values, scales) dtypes of each format."""
 
-# The impl a quantised product uses on a GPU, from bench/quant.py on the H200 (bench/README.md, "quant.py"): the
-# first kernel took half the reference's time per product on wqkv (quant_partial.json), and an int8 Qwen3-8B-shaped
-# target decodes at 199.0 tok/s through today's kernels against 121.6 through the first. The int8 reference in its
-# present form ((x @ q) * s, which XLA may fuse) has not been timed on the GPU.
-GPU_DEFAULT_IMPL = "pallas"
+# The impl a quantised product uses on a GPU. bench/quant_probe.py on the H200 (bench/results/quant_probe.json,
+# common.per_call_us) timed every form at 1 and 16 rows on each weight shape of Qwen3-8B. For q8_0 the kernel took
+# a quarter to a half of the reference's time everywhere. For int8 the kernel and the reference were within 10% on
+# wqkv and w_down at 16 rows, and the kernel was faster on wo, w_gate_up and the LM head (194.9 us against 227.2).
+# At one row the column reduction beat both on the three large weights (w_down 35.4 us against the kernel's 53.3,
+# w_gate_up 53.9 against 68.6, the LM head 193.7 against 348.2) and lost on the two small ones.
+GPU_DEFAULT_IMPL = "auto"
+REDUCE_MIN_ELEMENTS = 1 << 25
+"""The weight size (K x N) from which one int8 row takes the column reduction: w_down (50M elements) and larger
+gained by it, wqkv (25M) and wo (17M) lost (36.9 us against the kernel's 24.3; 47.9 against 26.9)."""
 
 MAX_ROWS = 64  # the most rows the kernels take; more run the reference
 
@@ -72,7 +81,8 @@ class Tiles(NamedTuple):
 
 
 # The best of bench/quant.py --sweep on the H200 (bench/results/quant_sweep.json; geometric mean over wqkv and
-# w_down, int8 and q8_0): 32.7 us for the GEMV, 23.5 us for the product at 16 rows.
+# w_down, int8 and q8_0): 32.7 us for the GEMV, 23.5 us for the product at 16 rows. bench/quant_probe.py found
+# settings that beat these on one weight and lost on others (quant_probe.json).
 GEMV_TILES = Tiles(block_n=128, block_k=64, programs=1056, num_warps=4, num_stages=3)
 DOT_TILES = Tiles(block_n=128, block_k=128, programs=264, num_warps=4, num_stages=3)
 
@@ -113,11 +123,20 @@ def quant_matmul(x, data, scales, fmt: str, *, out_dtype=None, compute_dtype=Non
     out = jnp.dtype(out_dtype or compute)
     k, n = data.shape[0] * (2 if fmt == "q4_0" else 1), data.shape[1]
     rows = x.size // k
+    if impl == "auto":
+        impl = choose(fmt, rows, k, n)
+    if impl == "reduce":
+        return _column_reduction(x.astype(compute), data, scales, out)
     if impl == "xla" or rows > MAX_ROWS or not kernel_fits(k, n):
         return _reference(x, data, scales, fmt, compute, out)
     kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute), interpret)
     y = kernel(x.reshape(rows, k), data, scales)
     return y.reshape(*x.shape[:-1], n).astype(out)
+
+
+def choose(fmt: str, rows: int, k: int, n: int) -> str:
+    """`impl="auto"`'s form (module docstring): "reduce" or "pallas"."""
+    return "reduce" if fmt == "int8" and rows == 1 and k * n >= REDUCE_MIN_ELEMENTS else "pallas"
 
 
 def kernel_fits(k: int, n: int) -> bool:
@@ -159,6 +178,14 @@ def _reference(x, data, scales, fmt, compute, out):
         return (y * scales[0].astype(jnp.float32)).astype(out)
     w = dequantize(data, scales, fmt).astype(compute)
     return jnp.matmul(x, w, precision=_precision(compute), preferred_element_type=jnp.float32).astype(out)
+
+
+def _column_reduction(x, data, scales, out):
+    """One row through an int8 weight as XLA's fused multiply and column sum, in float32 (the reference's exact
+    products, summed in another order)."""
+    f32 = jnp.float32
+    y = jnp.sum(x.reshape(-1, 1).astype(f32) * data.astype(f32), axis=0) * scales[0].astype(f32)
+    return y.reshape(*x.shape[:-1], data.shape[1]).astype(out)
 
 
 def _tile_scales(s, rows: int):

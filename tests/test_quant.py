@@ -286,6 +286,27 @@ def test_kernel_lowers_to_triton_for_cuda():
             assert text.count("__gpu$xla.gpu.triton") == 1, f"{fmt} rows {m}: no Triton call"
 
 
+def test_auto_takes_the_measured_form_and_its_column_reduction_equals_the_reference():
+    """`impl="auto"` (the GPU default): one row through a large int8 weight takes XLA's column reduction, the rest
+    the kernel; each form gives the reference's result."""
+    big = qmm.REDUCE_MIN_ELEMENTS
+    assert qmm.choose("int8", 1, 4096, big // 4096) == "reduce"
+    assert qmm.choose("int8", 1, 4096, big // 4096 - 16) == qmm.choose("int8", 2, 4096, big // 4096) == "pallas"
+    assert {qmm.choose(f, m, 4096, big // 4096) for f in ("q8_0", "q4_0") for m in (1, 16)} == {"pallas"}
+    rng = np.random.RandomState(7)
+    data, scales = _random_packed(rng, 256, 96, "int8")
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(rng.randn(1, 1, 256), jnp.float32)
+        ref = qmm.quant_matmul(x, data, scales, "int8", compute_dtype=dtype)
+        got = qmm._column_reduction(x.astype(dtype), data, scales, jnp.dtype(dtype))
+        assert got.shape == ref.shape == (1, 1, 96) and got.dtype == ref.dtype == dtype
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64), rtol=tol, atol=tol)
+    x = jnp.asarray(rng.randn(3, 256), jnp.float32)
+    np.testing.assert_allclose(np.asarray(qmm.quant_matmul(x, data, scales, "int8", impl="auto")),
+                               np.asarray(qmm.quant_matmul(x, data, scales, "int8")), rtol=1e-5, atol=1e-5)
+
+
 def test_default_impl_is_the_reference_off_gpu_and_a_known_impl_on_gpu():
     assert qmm.default_impl("cpu") == "xla"
     assert qmm.default_impl("gpu") == qmm.GPU_DEFAULT_IMPL in qmm.IMPLS
