@@ -6,13 +6,13 @@ The DFlash2 fixture's geometry (H 6656, groups of 16 so G 416, k 2, blocks of T 
 N = 1, 4, 16, 64 blocks:
 (1) Agreement: per N and half, the max abs error of `impl="pallas"` against `impl="xla"` over the
 reference's largest magnitude; above 2e-2 the run fails (exit status 1) after the report.
-(2) `cells`: per N, half (prepare, finish) and impl, `*_us` is the device time per call: the median
-over `--iters` samples of one jitted `fori_loop` that runs the conv `--inner` times (each output the
-next input), divided by `--inner`. `layer` rows time prepare as a layer runs it: the kernel
+(2) `cells`: per N, half (prepare, finish) and impl, `*_us` is the device time per call
+(`common.per_call_us`: `--inner` calls unrolled in one program, each on its own copy of the arguments,
+against twice as many, median of `--iters`; a device loop added a fixed cost to every iteration). `layer` rows time prepare as a layer runs it: the kernel
 projection `x @ W` (W [H, 2kG]) then the conv. `bytes` is what a call must move (x and the output,
 this half of dyn and of base; for `layer`, W instead of dyn), `roofline_us` those bytes over the copy
 bandwidth measured in the same run (`common.hbm_bandwidth`). The whole working set of a call fits in
-an H200's 50 MB L2, so a looped call can beat that roofline.
+an H200's 50 MB L2, so a call can beat that roofline.
 (3) `--sweep` also times Pallas tile settings (block_h x rows per program x num_stages) at the
 smallest and the largest N, prepare only.
 `--tiny` runs a tiny geometry on the CPU (Pallas in interpret mode): it tests the script, not the speed.
@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 import common
 from pallas_kernels import dynamic_conv as dc
@@ -54,20 +51,6 @@ def conv_fn(impl: str, which: int, **tiles):
         interpret = jax.default_backend() != "gpu"
         return functools.partial(dc._pallas_conv, which=which, interpret=interpret, **tiles)
     return functools.partial(dc.dynamic_conv, which=which, impl=impl)
-
-
-def per_call_us(step, x, consts, iters: int, inner: int) -> float:
-    """Median wall time of `step` run `inner` times in one jitted loop, per call, in microseconds.
-
-    `consts` are arguments, not closed-over values, so XLA cannot fold them into the program."""
-    run = jax.jit(lambda x0, c: lax.fori_loop(0, inner, lambda _, a: step(a, *c), x0))
-    jax.block_until_ready(run(x, consts))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(run(x, consts))
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times) / inner
 
 
 def conv_bytes(n: int, geo: dict) -> int:
@@ -108,10 +91,10 @@ def time_cells(key, geo: dict, bandwidth: float, iters: int, inner: int) -> list
             for impl in dc.IMPLS:
                 if half == "layer":
                     conv = conv_fn(impl, 0)
-                    row[f"{impl}_us"] = per_call_us(lambda a, w_, b: conv(a, a @ w_, b), x, (w, base), iters, inner)
+                    row[f"{impl}_us"] = common.per_call_us(lambda a, w_, b: conv(a, a @ w_, b), x, (w, base), iters, inner)
                 else:
                     conv = conv_fn(impl, 1 if half == "finish" else 0)
-                    row[f"{impl}_us"] = per_call_us(conv, x, (dyn, base), iters, inner)
+                    row[f"{impl}_us"] = common.per_call_us(conv, x, (dyn, base), iters, inner)
             row["bytes"] = layer_bytes(n, geo) if half == "layer" else conv_bytes(n, geo)
             row["roofline_us"] = 1e6 * row["bytes"] / bandwidth
             row["speedup"] = row["xla_us"] / row["pallas_us"]
@@ -134,7 +117,7 @@ def sweep_tiles(key, geo: dict, iters: int, inner: int) -> list[dict]:
             for rows in sorted({1, 4, geo["t"]}):
                 for stages in (1, 3):
                     fn = conv_fn("pallas", 0, block_h=block_h, rows=rows, num_stages=stages)
-                    us = per_call_us(fn, x, (dyn, base), iters, inner)
+                    us = common.per_call_us(fn, x, (dyn, base), iters, inner)
                     results.append({"N": n, "block_h": block_h, "rows": rows, "num_stages": stages, "pallas_us": us})
                     print(f"sweep N={n:3d} block_h={block_h:3d} rows={rows:2d} stages={stages} {us:8.2f}us", flush=True)
     return results
@@ -143,7 +126,7 @@ def sweep_tiles(key, geo: dict, iters: int, inner: int) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=20, help="timed samples per cell (median)")
-    ap.add_argument("--inner", type=int, default=50, help="calls per sample, in one jitted loop")
+    ap.add_argument("--inner", type=int, default=50, help="calls per sample, unrolled in one program")
     ap.add_argument("--sweep", action="store_true", help="also time Pallas tile settings")
     ap.add_argument("--tiny", action="store_true", help="tiny geometry on the CPU: tests the script, not the speed")
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")

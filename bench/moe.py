@@ -11,14 +11,14 @@ the first geometry, per tile setting, at 1 and 16 tokens: microseconds a call an
 over that time.
 (1) Agreement: per geometry and T, every impl against `impl="gather"`, max abs error over
 the largest magnitude; above 2e-2 the run fails (exit status 1) after the report.
-(2) `cells`: per geometry and T, `<impl>_ms` is the device time of one `moe_block` call: the median over
-`--iters` samples of one jitted `fori_loop` that runs the block `--inner` times (each output, RMS
-normalised, the next input), divided by `--inner`. `bytes` is what a call must read at least: the
-distinct experts its tokens chose (`distinct_experts`, averaged over the gather loop's inputs; the
-other loops' differ by rounding) times one expert's bytes, plus the shared expert and the router.
+(2) `cells`: per geometry and T, `<impl>_ms` is the device time of one `moe_block` call
+(`common.per_call_us`: `--inner` calls unrolled in one program, each on its own copy of the weights,
+against twice as many, median of `--iters`; a device loop added a fixed cost to every iteration).
+`bytes` is what a call must read at least: the distinct experts its tokens chose (`distinct_experts`)
+times one expert's bytes, plus the shared expert and the router.
 `<impl>_TBps` is those bytes over the time, and `<impl>_over_read_bw` the same over the GEMV
 weight-streaming bandwidth measured in this run (`common.hbm_read_bandwidth`). `gate_up_dot_ms` times
-the first `ragged_dot` alone (the T*k sorted rows by `w_gate_up`), `--inner` calls back to back.
+the first `ragged_dot` alone (the T*k sorted rows by `w_gate_up`), timed the same way.
 `faster` names the faster impl per cell.
 `--quick` (alias `--tiny`) runs tiny shapes on the CPU: it tests the script, not the speed.
 """
@@ -28,9 +28,7 @@ import argparse
 import functools
 import itertools
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +36,6 @@ from jax import lax
 
 import common
 from dflash_jax.targets import moe
-from dynamic_conv import per_call_us
 from pallas_kernels import expert_matmul as em
 
 TOLERANCE = 2e-2
@@ -71,45 +68,24 @@ def block_fn(geo: dict, impl: str):
     return functools.partial(moe.moe_block, top_k=geo["k"], norm_topk_prob=True, impl=impl)
 
 
-def next_input(y):
-    """The block output RMS-normalised, so a looped block neither grows nor dies out."""
-    yf = y.astype(jnp.float32)
-    return (yf * lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + 1e-6)).astype(y.dtype)
-
-
 def per_call_ms(block, x, params, iters: int, inner: int) -> float:
-    """Device time of one `block` call in a jitted loop of `inner` calls, median of `iters`, in ms."""
-    return 1e-3 * per_call_us(lambda a, p: next_input(block(a, p)), x, (params,), iters, inner)
+    """Device time of one `block` call (`common.per_call_us` over `inner` calls), in ms."""
+    return 1e-3 * common.per_call_us(block, x, (params,), iters, inner)
 
 
-def mean_distinct_experts(block, x, params, geo: dict, inner: int) -> float:
-    """Distinct experts chosen per call, averaged over the inputs the timing loop of `block` feeds it."""
-
-    def step(_, carry):
-        a, total = carry
-        _, idx = moe.route(a.reshape(-1, geo["h"]), params["router"], geo["k"], True)
-        used = jnp.sum(jnp.bincount(idx.reshape(-1), length=geo["e"]) > 0)
-        return next_input(block(a, params)), total + used
-
-    _, total = jax.jit(lambda x0: lax.fori_loop(0, inner, step, (x0, jnp.int32(0))))(x)
-    return float(total) / inner
+def distinct_experts(x, params, geo: dict) -> int:
+    """The distinct experts x's tokens choose: what a call on x must read."""
+    _, idx = moe.route(x.reshape(-1, geo["h"]), params["router"], geo["k"], True)
+    return int(jnp.sum(jnp.bincount(idx.reshape(-1), length=geo["e"]) > 0))
 
 
 def gate_up_dot_ms(x, params, geo: dict, iters: int, inner: int) -> float:
-    """The first grouped matmul of `impl="ragged"` alone, on x's routing: `inner` calls back to back."""
+    """The first grouped matmul of `impl="ragged"` alone, on x's routing (`common.per_call_us`), in ms."""
     tokens = x.reshape(-1, geo["h"])
     _, idx = moe.route(tokens, params["router"], geo["k"], True)
     rows, sizes, _ = moe._rows_by_expert(tokens, idx, geo["e"])
-    dot = jax.jit(functools.partial(lax.ragged_dot, preferred_element_type=jnp.float32))
-    jax.block_until_ready(dot(rows, params["w_gate_up"], sizes))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        for _ in range(inner):
-            out = dot(rows, params["w_gate_up"], sizes)  # one stream runs them in order
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times) / inner
+    dot = functools.partial(lax.ragged_dot, preferred_element_type=jnp.float32)
+    return 1e-3 * common.per_call_us(lambda r, w, n: dot(r, w, n), rows, (params["w_gate_up"], sizes), iters, inner)
 
 
 def expert_bytes(geo: dict) -> int:
@@ -149,7 +125,7 @@ def time_cells(key, geos: dict, tokens, read_bw: float, iters: int, inner: int) 
         params = random_params(jax.random.fold_in(key, g), geo)
         for b, w in tokens:
             x = jax.random.normal(jax.random.fold_in(key, 1000 * (g + 1) + b * w), (b, w, geo["h"]), jnp.bfloat16)
-            distinct = mean_distinct_experts(block_fn(geo, "gather"), x, params, geo, inner)
+            distinct = distinct_experts(x, params, geo)
             row = {"geometry": name, "batch": b, "width": w, "T": b * w, "rows": b * w * geo["k"],
                    "distinct_experts": distinct, "bytes": distinct * expert_bytes(geo) + fixed_bytes(geo)}
             for impl in moe.MOE_IMPLS:
@@ -184,11 +160,8 @@ def sweep_tiles(key, geo: dict, grid: dict, iters: int, inner: int) -> list[dict
             for tiles in itertools.product(*grid.values()):
                 setting = dict(zip(grid, tiles))
 
-                def step(a, w, setting=setting):
-                    out = em.expert_matmul(a, w, expert, impl="pallas", **setting)
-                    return a + (1e-6 * out[..., :1]).astype(a.dtype)
-
-                us = per_call_us(step, x, (w,), iters, inner)
+                us = common.per_call_us(functools.partial(em.expert_matmul, expert=expert, impl="pallas", **setting),
+                                        x, (w,), iters, inner)
                 rows.append({"T": t, "product": name, **setting, "us": us, "live_experts": int(uniq.shape[0]),
                              "TBps": live_bytes / (us * 1e-6) / 1e12})
                 print(f"sweep T={t:2d} {name:7s} {setting} {us:8.2f} us {rows[-1]['TBps']:.2f} TB/s", flush=True)
@@ -198,7 +171,7 @@ def sweep_tiles(key, geo: dict, grid: dict, iters: int, inner: int) -> list[dict
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=20, help="timed samples per cell (median)")
-    ap.add_argument("--inner", type=int, default=20, help="calls per sample, in one jitted loop")
+    ap.add_argument("--inner", type=int, default=20, help="calls per sample, unrolled in one program")
     ap.add_argument("--quick", "--tiny", action="store_true", help="tiny shapes on the CPU: tests the script")
     ap.add_argument("--out", default=None, help="output JSON file (default bench/results/moe.json)")
     ap.add_argument("--sweep", action="store_true", help="also time expert_matmul's tile settings (first geometry)")
