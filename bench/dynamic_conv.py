@@ -8,11 +8,12 @@ N = 1, 4, 16, 64 blocks:
 reference's largest magnitude; above 2e-2 the run fails (exit status 1) after the report.
 (2) `cells`: per N, half (prepare, finish) and impl, `*_us` is the device time per call
 (`common.per_call_us`: `--inner` calls unrolled in one program, each on its own copy of the arguments,
-against twice as many, median of `--iters`; a device loop added a fixed cost to every iteration). `layer` rows time prepare as a layer runs it: the kernel
-projection `x @ W` (W [H, 2kG]) then the conv. `bytes` is what a call must move (x and the output,
-this half of dyn and of base; for `layer`, W instead of dyn), `roofline_us` those bytes over the copy
-bandwidth measured in the same run (`common.hbm_bandwidth`). The whole working set of a call fits in
-an H200's 50 MB L2, so a call can beat that roofline.
+against twice as many, median of `--iters`; a device loop added a fixed cost to every iteration).
+`layer` rows time prepare as a layer runs it: the kernel projection `x @ W` (W [H, 2kG]) then the conv.
+`bytes` is what a call must move (x and the output, this half of dyn and of base; for `layer`, W instead
+of dyn), `roofline_us` those bytes over the copy bandwidth measured in the same run
+(`common.hbm_bandwidth`). The whole working set of a call fits in an H200's 50 MB L2, so a call can beat
+that roofline.
 (3) `--sweep` also times Pallas tile settings (block_h x rows per program x num_stages) at the
 smallest and the largest N, prepare only.
 `--tiny` runs a tiny geometry on the CPU (Pallas in interpret mode): it tests the script, not the speed.
@@ -91,7 +92,8 @@ def time_cells(key, geo: dict, bandwidth: float, iters: int, inner: int) -> list
             for impl in dc.IMPLS:
                 if half == "layer":
                     conv = conv_fn(impl, 0)
-                    row[f"{impl}_us"] = common.per_call_us(lambda a, w_, b: conv(a, a @ w_, b), x, (w, base), iters, inner)
+                    row[f"{impl}_us"] = common.per_call_us(lambda a, w_, b: conv(a, a @ w_, b), x, (w, base), iters,
+                                                           inner)
                 else:
                     conv = conv_fn(impl, 1 if half == "finish" else 0)
                     row[f"{impl}_us"] = common.per_call_us(conv, x, (dyn, base), iters, inner)

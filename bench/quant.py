@@ -1,9 +1,9 @@
 """Weight precision on the GPU (docs/architecture.md, "Weight precision"), in three parts:
 
   kernel   `quant_matmul`: each impl (`quant_matmul.IMPLS`: the reference, the Pallas kernel, and "auto", the
-           GPU default's choice) and the plain bf16 product, for every weight shape of the Qwen3-8B target and the z-lab drafter, at 1, 16 and
-           64 rows, per format: device time per call, the bytes it must read over the GEMV read bandwidth
-           measured in the same run, and each impl's agreement with the reference
+           GPU default's choice) and the plain bf16 product, for every weight shape of the Qwen3-8B target and
+           the z-lab drafter, at 1, 16 and 64 rows, per format: device time per call, the bytes it must read
+           over the GEMV read bandwidth measured in the same run, and each impl's agreement with the reference
   drafter  per drafter precision (`--precisions`), the round on the bf16 Qwen3-8B-shaped target at each batch
            (default 1 and 16, prompt 512; `spec_round.measure_cell`): draft time per round, fused round over
            plain step, speedup at injected acceptance 6.5, and that the output equals plain decoding's
