@@ -268,15 +268,19 @@ CASES = [(m, c, p, a) for m, c in HEADS for p, a in POLICIES if p == "ladder" or
 @pytest.mark.parametrize("markov, confidence, verify_policy, adapt", CASES)
 def test_greedy_dspark_equals_plain_under_every_head_and_policy(target, plain, markov, confidence, verify_policy,
                                                                 adapt):
+    """Every head and policy at the full verify width; the capped width and the buckets, which meet the heads
+    only through the policy, under every policy with the Markov head (each run compiles a loop of its own)."""
     drafter = tiny_dspark(target, markov=markov, confidence=confidence, verify_policy=verify_policy, adapt=adapt,
                           tau=0.3)
     nd = drafter.n_drafts
-    for verify_t, buckets in ((3, None), (nd + 1, None), (nd + 1, (3, 5))):
+    widths = ((3, None), (nd + 1, None), (nd + 1, (3, 5))) if markov else ((nd + 1, None),)
+    for verify_t, buckets in widths:
         out = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=verify_t,
                                  verify_buckets=buckets, inject=inject_reference(plain, MAX_NEW, nd)).run()
         assert out.tokens == plain, f"verify_t {verify_t}, buckets {buckets}: output differs from plain greedy"
         assert sum(out.stats.accept_hist[verify_t:]) == 0, "no round accepts more than the cap allows"
-    assert dflash_jax.generate(target, drafter, PROMPTS[1:2], max_new_tokens=MAX_NEW).tokens == plain[1:2]
+    if markov:
+        assert dflash_jax.generate(target, drafter, PROMPTS[1:2], max_new_tokens=MAX_NEW).tokens == plain[1:2]
     assert dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens == plain
 
 
