@@ -15,7 +15,8 @@ Per model:
               verify keeping the whole block (`keep_all_s`: what a verify costs when nothing is rolled back)
               and the replay a checkpoint design pays instead (`replay_s`: a verify keeping the whole block,
               then the kept prefix run again from the pre-verify state).
-Targets (issue 14): plain >= 0.75 of the roofline; round <= 1.35 plain steps.
+Targets (issue 14): plain >= 0.75 of the roofline; round <= 1.35 plain steps. A model whose speculative
+output differs from its plain output fails the run (exit status 1, after the JSON is written).
 
     python bench/hybrid.py                 # H200: writes bench/results/hybrid.json and hybrid.png
     python bench/hybrid.py --tiny          # CPU smoke test
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +156,7 @@ def main(argv=None):
                          "round_over_plain_step": rec["round_over_plain_step"],
                          "spec_tokens_per_s_at_tau": at_tau.get("tokens_per_s"), "tau": at_tau.get("tau_measured"),
                          "speedup_at_tau": at_tau.get("speedup"),
+                         "lossless": rec["real_drafter"]["lossless"] and all(r["lossless"] for r in rec["fused"]),
                          "per_position_over_keep_all": rollback["per_position_over_keep_all"],
                          "replay_over_keep_all": rollback["replay_over_keep_all"]}}
         print(f"{name}: {payload['models'][name]['headline']}")
@@ -162,6 +165,10 @@ def main(argv=None):
     suffix = "_tiny" if args.tiny else ""
     path = common.write_json(f"hybrid{suffix}.json", payload, args.out)
     plot(payload, path[:-len(".json")] + ".png")
+    failed = [name for name, m in payload["models"].items() if not m["headline"]["lossless"]]
+    if failed:
+        print(f"FAIL: speculative output differs from plain decoding on {failed}", file=sys.stderr)
+        sys.exit(1)
     return payload
 
 
