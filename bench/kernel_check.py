@@ -50,6 +50,8 @@ CHECK_SHAPES = [
     ("decode gqa4", 2, 1, 32, 8, 128, CAPACITY, [8192, 1], None, True),
     ("prefill chunk", 1, 100, 32, 8, 128, 500, [300], None, True),
     ("mha hd128", 2, 8, 8, 8, 128, 129, [129, 65], 32, True),
+    ("verify gqa8 hd256 (Qwen3.5-35B-A3B)", 1, 16, 16, 2, 256, 600, [512], None, True),
+    ("decode gqa8 hd256 (Qwen3.5-35B-A3B)", 1, 1, 16, 2, 256, 600, [512], None, True),
 ]
 
 
