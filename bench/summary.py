@@ -20,13 +20,13 @@ import sys
 
 import common
 
-# key, source, reader, comparison, target, what it is
+# key, source, reader, comparison, target (issue 16's, where it names one), what it is
 TARGETS = (
     ("plain_roofline_ratio", "plain_decode", lambda d: d["roofline_ratio"], ">=", 0.85,
      "plain decoding tokens/s over the memory roofline"),
-    ("round_over_plain_step", "spec_round", lambda d: d["headline"]["round_over_plain_step"], "<=", 1.25,
+    ("round_over_plain_step", "spec_round", lambda d: d["headline"]["round_over_plain_step"], "<=", 1.20,
      "fused speculative round over one plain decode step (block 16)"),
-    ("speedup_at_tau_6_5", "acceptance", lambda d: d["headline"]["speedup_at_tau_6_5"], ">=", 5.0,
+    ("speedup_at_tau_6_5", "acceptance", lambda d: d["headline"]["speedup_at_tau_6_5"], ">=", 5.2,
      "speedup over plain at acceptance length 6.5"),
     ("loop_overhead", "spec_round", lambda d: d["headline"]["loop_overhead"], "<=", 0.05,
      "fused round over the sum of its phases, minus 1"),
