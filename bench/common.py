@@ -170,10 +170,9 @@ def per_call_us(fn, x, consts, iters: int = 10, calls: int = 32) -> float:
     Shared copies let XLA merge the dots that share a weight into one product (its dot merger): on the H200, 32
     calls cycling over two copies of an LM head timed at 7 us a call, against 280 us to read it once. Own copies
     also keep each call's weights out of the L2 cache, so it reads them from HBM as a step reads each layer's.
-    The program at `calls` and at
-    `2 * calls` is timed (median of `iters`) and the difference divided by `calls`, which cancels the launch
-    (where noise leaves no difference, the longer program's time per call, an upper bound). `calls` shrinks so
-    that the copies stay within `POOL_BYTES`."""
+    The program at `calls` and at `2 * calls` is timed (median of `iters`) and the difference divided by
+    `calls`, which cancels the launch (where noise leaves no difference, the longer program's time per call, an
+    upper bound). `calls` shrinks so that the copies stay within `POOL_BYTES`."""
     size = sum(int(np.prod(c.shape)) * c.dtype.itemsize for c in jax.tree_util.tree_leaves(consts))
     calls = max(2, min(calls, POOL_BYTES // (2 * max(size, 1))))
     pool = [consts] + [jax.tree_util.tree_map(jnp.copy, consts) for _ in range(2 * calls - 1)]

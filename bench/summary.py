@@ -20,7 +20,7 @@ import sys
 
 import common
 
-# key, source, reader, comparison, target (issue 16's, where it names one), what it is
+# key, source, reader, comparison, target (README's benchmark table gives the same), what it is
 TARGETS = (
     ("plain_roofline_ratio", "plain_decode", lambda d: d["roofline_ratio"], ">=", 0.85,
      "plain decoding tokens/s over the memory roofline"),

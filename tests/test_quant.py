@@ -286,7 +286,7 @@ def test_kernel_lowers_to_triton_for_cuda():
             assert text.count("__gpu$xla.gpu.triton") == 1, f"{fmt} rows {m}: no Triton call"
 
 
-def test_auto_takes_the_measured_form_and_its_column_reduction_equals_the_reference():
+def test_auto_takes_the_measured_form_and_its_column_reduction_equals_the_reference(monkeypatch):
     """`impl="auto"` (the GPU default): one row through a large int8 weight takes XLA's column reduction, the rest
     the kernel; each form gives the reference's result."""
     big = qmm.REDUCE_MIN_ELEMENTS
@@ -302,6 +302,11 @@ def test_auto_takes_the_measured_form_and_its_column_reduction_equals_the_refere
         assert got.shape == ref.shape == (1, 1, 96) and got.dtype == ref.dtype == dtype
         tol = 1e-5 if dtype == jnp.float32 else 1e-2
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64), rtol=tol, atol=tol)
+        with monkeypatch.context() as m:  # this weight counts as large: auto's dispatch takes the reduction
+            m.setattr(qmm, "REDUCE_MIN_ELEMENTS", 256 * 96)
+            assert qmm.choose("int8", 1, 256, 96) == "reduce"
+            auto = qmm.quant_matmul(x, data, scales, "int8", compute_dtype=dtype, impl="auto")
+        assert np.array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
     x = jnp.asarray(rng.randn(3, 256), jnp.float32)
     np.testing.assert_allclose(np.asarray(qmm.quant_matmul(x, data, scales, "int8", impl="auto")),
                                np.asarray(qmm.quant_matmul(x, data, scales, "int8")), rtol=1e-5, atol=1e-5)
