@@ -29,11 +29,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
+from pallas_kernels.windowed_attention import SMEM_BYTES, _triton_compiler_params, where_lowered
 
 IMPLS = ("xla", "pallas")
 ROWS = 16
-"""Rows per group are padded to a multiple of this (Triton's smallest matmul tile)."""
+"""Rows per group are padded to a power of two of at least this (Triton's smallest matmul tile; the Triton
+lowering takes only power-of-two block shapes: 48 rows, a verify of 3 x 16 tokens, failed to lower)."""
 
 # Tile settings, picked with `bench/moe.py --sweep` on an H200 (JAX 0.11.2, bench/results/moe.json).
 BLOCK_K = 128
@@ -96,12 +97,13 @@ def _splits(programs: int, k_steps: int, target: int) -> int:
 
 def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, target_programs: int = TARGET_PROGRAMS):
-    """Pad rows to `ROWS`, K and N to their tiles (zeros add nothing), run the grid, sum the splits, crop."""
+    """Pad rows to `padded_rows`, K and N to their tiles (zeros add nothing), run the grid, sum the splits, crop."""
     g, m, k = x.shape
     n = w.shape[2]
-    block_k = min(block_k, max(16, pl.next_power_of_2(k)))
-    block_n = min(block_n, max(16, pl.next_power_of_2(n)))
-    mp, kp, np_ = _round_up(m, ROWS), _round_up(k, block_k), _round_up(n, block_n)
+    mp = padded_rows(m)
+    block_k, block_n, num_stages = fit_tiles(mp, x.dtype.itemsize, min(block_k, max(16, pl.next_power_of_2(k))),
+                                             min(block_n, max(16, pl.next_power_of_2(n))), num_stages)
+    kp, np_ = _round_up(k, block_k), _round_up(n, block_n)
     x = jnp.pad(x, ((0, 0), (0, mp - m), (0, kp - k)))
     if (kp, np_) != (k, n):
         w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
@@ -124,6 +126,35 @@ def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = B
         name="expert_matmul",
     )(expert, x, w)
     return jnp.sum(out, axis=0)[:, :m, :n]
+
+
+def smem_bytes(rows: int, itemsize: int, block_k: int, block_n: int, num_stages: int) -> int:
+    """Shared memory a program takes: per pipeline stage an x tile and a weight tile. This is what the H200
+    asked for at 512 bf16 rows with the default tiles (491,520 bytes, over `SMEM_BYTES`)."""
+    return num_stages * (rows * block_k + block_k * block_n) * itemsize
+
+
+def fit_tiles(rows: int, itemsize: int, block_k: int, block_n: int, num_stages: int) -> tuple[int, int, int]:
+    """`(block_k, block_n, num_stages)` cut until `smem_bytes` fits `SMEM_BYTES`: stages down to 2, then K and N
+    tiles halved down to 16, then one stage; groups too tall even for that are refused."""
+    while smem_bytes(rows, itemsize, block_k, block_n, num_stages) > SMEM_BYTES:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_k > 16:
+            block_k //= 2
+        elif block_n > 16:
+            block_n //= 2
+        elif num_stages > 1:
+            num_stages -= 1
+        else:
+            raise ValueError(f"expert_matmul: groups of {rows} rows of {itemsize}-byte values do not fit one "
+                             f"program's shared memory ({SMEM_BYTES} bytes) at any tile; pass fewer rows per group.")
+    return block_k, block_n, num_stages
+
+
+def padded_rows(m: int) -> int:
+    """The rows a group of `m` is padded to: the power of two at or above `m`, at least `ROWS`."""
+    return max(ROWS, pl.next_power_of_2(m))
 
 
 def _round_up(n: int, m: int) -> int:

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.expert_matmul import IMPLS, expert_matmul
+from pallas_kernels.expert_matmul import (BLOCK_K, BLOCK_N, IMPLS, NUM_STAGES, ROWS, expert_matmul, fit_tiles,
+                                          padded_rows, smem_bytes)
+from pallas_kernels.windowed_attention import SMEM_BYTES
 
 
 def inputs(g, m, k, n, e, dtype=jnp.float32, seed=0):
@@ -55,6 +57,32 @@ def test_kernel_equals_reference_with_small_tiles_and_bf16():
                             target_programs=1 if splits == 1 else 10**6)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
     assert float(jnp.max(jnp.abs(ref))) > 1.0
+
+
+def test_rows_are_padded_to_a_power_of_two_the_triton_lowering_accepts():
+    """A verify of 3 x 16 tokens gives groups of 48 rows, which the Triton lowering refused on the H200 (it takes
+    power-of-two blocks only); interpret mode accepts any shape, so the padding itself is checked here."""
+    for m in range(1, 200):
+        rows = padded_rows(m)
+        assert rows >= max(m, ROWS) and rows & (rows - 1) == 0 and rows < 2 * max(m, ROWS), (m, rows)
+    x, w = inputs(2, 48, 32, 16, 3, seed=7)
+    expert = jnp.asarray([2, 0], jnp.int32)
+    np.testing.assert_allclose(np.asarray(expert_matmul(x, w, expert, impl="pallas")), loop(x, w, [2, 0]),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_tiles_shrink_to_fit_shared_memory_for_tall_groups():
+    """The H200 refused 512 bf16 rows per group at the default tiles (it asked for 491,520 bytes); the fitted
+    tiles fit, and the short groups of a decode step or a verify keep the swept defaults."""
+    defaults = (BLOCK_K, BLOCK_N, NUM_STAGES)
+    assert smem_bytes(512, 2, *defaults) == 491_520 > SMEM_BYTES
+    assert fit_tiles(16, 2, *defaults) == fit_tiles(16, 4, *defaults) == defaults
+    for rows in (64, 256, 512, 2048):
+        for itemsize in (2, 4):
+            tiles = fit_tiles(rows, itemsize, *defaults)
+            assert smem_bytes(rows, itemsize, *tiles) <= SMEM_BYTES and min(tiles[:2]) >= 16, (rows, itemsize, tiles)
+    with pytest.raises(ValueError, match="rows"):
+        fit_tiles(16384, 4, *defaults)
 
 
 def test_jit_gives_the_eager_output():
