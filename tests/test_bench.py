@@ -105,6 +105,31 @@ def test_hybrid_bench_measures_both_rollbacks_losslessly(tmp_path):
     assert 0 < model["headline"]["roofline_ratio"] and model["headline"]["round_over_plain_step"] > 0
 
 
+def test_step_verify_compares_the_three_paths_layer_by_layer(tmp_path):
+    import step_verify
+
+    assert step_verify.main(["--tiny", "--prompt", "24", "--width", "4", "--variants", "pallas/grouped", "xla/gather",
+                             "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "step_verify_tiny.json") as f:
+        (model,) = json.load(f)["models"].values()
+    assert set(model["cells"]) == {"pallas/grouped", "xla/gather"}
+    for cell in model["cells"].values():
+        assert set(cell) == {"verify_vs_steps", "verify_vs_forward", "steps_vs_forward"}
+        for pair in cell.values():
+            assert len(pair["layer_rel"]) == len(model["layer_types"]) and pair["ok"] and pair["finite"]
+            assert all(pair["argmax_agree"]) and pair["logit_rel"] < 1e-4, "float32 paths agree to rounding"
+
+
+def test_step_verify_fails_on_paths_that_disagree():
+    import step_verify
+
+    a = (np.ones((4, 2, 8), np.float32), np.eye(4, 16, dtype=np.float32))
+    b = (a[0].copy(), a[1].copy())
+    b[0][:, 1] += 0.5  # the second layer's outputs part
+    result = step_verify.compare(a, b, 0.05)
+    assert result["first_layer_off"] == 1 and not result["ok"] and all(result["argmax_agree"])
+
+
 def test_moe_bench_checks_every_impl_against_the_gather_and_sweeps_the_kernel(tmp_path):
     import moe as moe_bench
     from dflash_jax.targets import moe
