@@ -152,10 +152,10 @@ def main(argv=None) -> int:
             cells[f"{impl}/{experts}"] = cell
             for pair, r in cell.items():
                 print(f"{name} {impl}/{experts} {pair}: first layer off {r['first_layer_off']}, logits rel "
-                      f"{r['logit_rel']:.2e}, argmax agree {sum(r['argmax_agree'])}/{args.width}, finite {r['finite']}, "
-                      f"per layer: rel {np.round(r['layer_rel'], 4).tolist()}, mean rel "
-                      f"{np.round(r['layer_mean_rel'], 4).tolist()}, max abs {np.round(r['layer_max_abs'], 2).tolist()}",
-                      flush=True)
+                      f"{r['logit_rel']:.2e}, argmax agree {sum(r['argmax_agree'])}/{args.width}, "
+                      f"finite {r['finite']}, per layer: rel {np.round(r['layer_rel'], 4).tolist()}, mean rel "
+                      f"{np.round(r['layer_mean_rel'], 4).tolist()}, "
+                      f"max abs {np.round(r['layer_max_abs'], 2).tolist()}", flush=True)
                 if not r["ok"]:
                     failed.append(f"{name} {impl}/{experts} {pair}")
             payload["models"][name] = {"layer_types": list(cfg.layer_types), "moe_layers": list(cfg.moe_layers),
