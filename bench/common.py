@@ -70,7 +70,8 @@ RESIDUAL_SCALE = 0.1  # of the attention and MLP output projections in `random_t
 ROUTED_EXPERT_SCALE = 0.01  # of the routed experts' down projections (3-D `w_down`), beyond RESIDUAL_SCALE
 
 
-def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0, mesh=None) -> Target:
+def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0, mesh=None,
+                  routed_expert_scale: float = ROUTED_EXPERT_SCALE) -> Target:
     """Random weights with a planted next-token map, so greedy argmax has a wide margin.
 
     Plain random weights make a chaotic model whose logits are nearly flat: a 16-row verify
@@ -81,13 +82,13 @@ def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0, mesh=Non
     current token's embedding) and the LM head's column `j` is the embedding of token
     `perm[j]`, so the target predicts `perm^-1(current token)` with a margin of thousands of
     logits: a long non-repeating cycle. The routed experts of a mixture-of-experts layer are
-    damped further (`ROUTED_EXPERT_SCALE`): a one-token step and a 16-token verify round
+    damped further (`routed_expert_scale`): a one-token step and a 16-token verify round
     differently, and at a random router's near-ties a token then picks another expert. Undamped,
     a bf16 Qwen3.5-35B-A3B shape's verify and steps parted by a mean of 80% after 40 layers
     (bench/results/step_verify.json; in float32 they agree to 1e-6); on a smaller shape on the
-    CPU the damping took the logits' difference from 17% to 2.8%. Speed does not depend on the
-    values; every matrix keeps its shape and remains dense random bf16. With a `mesh` every leaf
-    is placed by the family's sharding rules as it is made.
+    CPU the damping took the logits' difference from 17% to 2.8% (step_verify_cpu.json). Speed
+    does not depend on the values; every matrix keeps its shape and remains dense random bf16.
+    With a `mesh` every leaf is placed by the family's sharding rules as it is made.
     """
     rules = target_family(cfg).sharding_rules()
     place = None if mesh is None else sharding.placer(rules, mesh)
@@ -100,7 +101,7 @@ def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0, mesh=Non
         for name in ("wo", "out_proj", "w_down", "shared_down"):  # every output projection, of any family
             if name in layer:
                 routed = name == "w_down" and layer[name].ndim == 3
-                scale = RESIDUAL_SCALE * (ROUTED_EXPERT_SCALE if routed else 1.0)
+                scale = RESIDUAL_SCALE * (routed_expert_scale if routed else 1.0)
                 layer[name] = layer[name] * jnp.asarray(scale, dtype)
     if not cfg.tie_word_embeddings:
         params["lm_head"] = jax.jit(lambda e, k: jnp.take(e, jax.random.permutation(k, e.shape[0]), axis=0).T)(

@@ -1,7 +1,8 @@
 """Does a target's verify compute what its one-token steps compute, on this device? Layer by layer.
 
     python bench/step_verify.py [--models M ...] [--prompt P] [--width W] [--layers N] [--dtype D]
-                                [--variants impl/experts ...]                    # step_verify.json
+                                [--variants impl/experts ...] [--set FIELD=INT ...] [--dense-mlp WIDTH]
+                                [--routed-expert-scale S] [--out DIR]            # step_verify.json
     python bench/step_verify.py --tiny                                      # CPU smoke test
 
 A model of `bench/hybrid.py` (random bf16 weights with `common.random_target`'s planted next-token map) prefills
@@ -111,6 +112,22 @@ def compare(a, b, tolerance: float) -> dict:
             "ok": not off and logit_rel <= tolerance}
 
 
+def reshaped(cfg, args, ap):
+    """`cfg` with `--layers`, `--set` and `--dense-mlp` applied."""
+    fields = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        current = getattr(cfg, key, None) if key in {f.name for f in dataclasses.fields(cfg)} else None
+        if type(current) is not int or not value.lstrip("-").isdigit():
+            ap.error(f"--set {item!r}: expected FIELD=INT with FIELD an integer field of {type(cfg).__name__}")
+        fields[key] = int(value)
+    layers = args.layers or cfg.num_layers
+    fields |= {"num_layers": layers, "layer_types": cfg.layer_types[:layers], "moe_layers": cfg.moe_layers[:layers]}
+    if args.dense_mlp:
+        fields |= {"moe_layers": (False,) * layers, "intermediate_size": args.dense_mlp}
+    return dataclasses.replace(cfg, **fields)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["qwen3.5-35b-a3b"], help=f"of {list(hybrid.MODELS)}")
@@ -118,6 +135,12 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--tolerance", type=float, default=TOLERANCE)
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (faster)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="FIELD=INT",
+                    help="integer config fields to override, e.g. num_experts=16 hidden_size=1024 (a smaller shape)")
+    ap.add_argument("--dense-mlp", type=int, default=None, metavar="WIDTH",
+                    help="a dense SwiGLU MLP of this width in every layer instead of the MoE block")
+    ap.add_argument("--routed-expert-scale", type=float, default=common.ROUTED_EXPERT_SCALE,
+                    help="`common.random_target`'s damping of the routed experts (1 leaves them undamped)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="weights (default: bf16, "
                     "float32 with --tiny)")
     ap.add_argument("--variants", nargs="+", default=None,
@@ -135,13 +158,11 @@ def main(argv=None) -> int:
                      f"{moe.MOE_IMPLS}")
     dtype = jnp.dtype(args.dtype or ("float32" if args.tiny else "bfloat16"))
     payload = common.environment(**vars(args)) | {"variants": [list(v) for v in variants],
-                                                    "routed_expert_scale": common.ROUTED_EXPERT_SCALE, "models": {}}
+                                                    "routed_expert_scale": args.routed_expert_scale, "models": {}}
     failed = []
     for name, cfg in models.items():
-        if args.layers:
-            cfg = dataclasses.replace(cfg, num_layers=args.layers, layer_types=cfg.layer_types[:args.layers],
-                                      moe_layers=cfg.moe_layers[:args.layers])
-        target = common.random_target(cfg, dtype)
+        cfg = reshaped(cfg, args, ap)
+        target = common.random_target(cfg, dtype, routed_expert_scale=args.routed_expert_scale)
         prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, args.prompt + args.width))
         forward = run_forward(target, prompt, args.width)
         cells = {}

@@ -120,6 +120,23 @@ def test_step_verify_compares_the_three_paths_layer_by_layer(tmp_path):
             assert all(pair["argmax_agree"]) and pair["logit_rel"] < 1e-4, "float32 paths agree to rounding"
 
 
+def test_step_verify_reshapes_the_model_and_refuses_a_bad_field():
+    import argparse
+
+    import hybrid
+    import step_verify
+
+    ap = argparse.ArgumentParser()
+    cfg = step_verify.reshaped(hybrid.TINY["tiny-hybrid"], argparse.Namespace(set=["num_experts=4"], layers=2,
+                                                                             dense_mlp=None), ap)
+    assert cfg.num_experts == 4 and cfg.num_layers == 2 and len(cfg.layer_types) == len(cfg.moe_layers) == 2
+    dense = step_verify.reshaped(cfg, argparse.Namespace(set=[], layers=None, dense_mlp=48), ap)
+    assert not any(dense.moe_layers) and dense.intermediate_size == 48 and dense.num_layers == 2
+    for bad in ("rope=3", "num_experts=four", "no_such_field=1"):
+        with pytest.raises(SystemExit):
+            step_verify.main(["--tiny", "--set", bad])
+
+
 def test_step_verify_fails_on_paths_that_disagree():
     import step_verify
 
