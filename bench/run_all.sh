@@ -64,6 +64,7 @@ step spec_round python bench/spec_round.py $tiny --out "$out"
 step acceptance python bench/acceptance.py $tiny ${acceptance_args[@]+"${acceptance_args[@]}"} --out "$out"
 step gemm_check python bench/gemm_check.py $tiny --out "$out"
 step profile_round python bench/profile_round.py $tiny --out "$out"
+step call_cost python bench/call_cost.py $tiny --out "$out"
 # the largest cell (batch 64 x prompt 8192) needs ~110 GB: let JAX's allocator take 95% of the GPU
 budget=$(( ${BENCH_BUDGET_S:-540} - SECONDS - 20 ))
 step sweep env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}" \

@@ -1,8 +1,8 @@
 """The latest measured value of each performance target, from the JSON in a results folder.
 
 Writes `summary.json` (`summary_tiny.json` with `--tiny`) with the keys plain_roofline_ratio,
-round_over_plain_step, speedup_at_tau_6_5, loop_overhead, speedup_over_static_peer and speedup_at_tau_6_5_batch_64
-(the sweep's batch 64 x prompt 512 cell), plus device, jax_version, date,
+round_over_plain_step, speedup_at_tau_6_5, loop_overhead, speedup_over_static_peer, speedup_at_tau_6_5_batch_64
+(the sweep's batch 64 x prompt 512 cell) and fixed_cost_per_call_s (call_cost.py), plus device, jax_version, date,
 the source file of each number, and the run checks (compiles after warm-up, lossless, skipped
 cells, whether injected proposals let XLA drop the drafter, plain decoding over the stricter
 read-only roofline); prints target vs measured. A
@@ -36,8 +36,10 @@ TARGETS = (
     ("speedup_at_tau_6_5_batch_64", "sweep",
      lambda d: next((r["speedup"] for r in d["table"] if (r["batch"], r["prompt"]) == (64, 512)), None), ">=", 2.0,
      "speedup over plain at acceptance length 6.5, batch 64, prompt 512 (a compute-bound verify)"),
+    ("fixed_cost_per_call_s", "call_cost", lambda d: d["fixed_cost_per_call_s"], "<=", 1e-3,
+     "seconds a call of the compiled speculative loop (Session.burst) costs beyond its rounds"),
 )
-SOURCES = ("plain_decode", "spec_round", "acceptance", "sweep")
+SOURCES = ("plain_decode", "spec_round", "acceptance", "sweep", "call_cost")
 
 
 def _load(folder: str, name: str, tiny: bool):
@@ -79,7 +81,8 @@ def summarize(folder: str, tiny: bool) -> dict:
         base = os.path.basename(path)
         checks["no_recompile"][base] = d.get("no_recompile")
         runs = [r for c in d.get("cells", []) for r in c.get("runs", []) + c.get("fused", [])]
-        checks["lossless"][base] = all(r["lossless"] for r in runs) if runs else None
+        if runs:  # a file with speculative runs (call_cost's bursts are not compared)
+            checks["lossless"][base] = all(r["lossless"] for r in runs)
         for c in d.get("cells", []):
             if c.get("status") not in (None, "ok"):
                 checks["skipped_cells"].append({"file": base, "batch": c["batch"], "prompt": c["prompt"],

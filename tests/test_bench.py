@@ -38,10 +38,12 @@ def _load(folder, name):
 
 
 def test_run_all_tiny_writes_every_figure_and_the_summary(tiny_results):
-    for name in ("plain_decode", "spec_round", "acceptance", "gemm_check", "profile_round", "sweep", "summary"):
+    for name in ("plain_decode", "spec_round", "acceptance", "gemm_check", "profile_round", "call_cost", "sweep",
+                 "summary"):
         assert (tiny_results / f"{name}_tiny.json").is_file(), f"{name}_tiny.json missing"
     summary = _load(tiny_results, "summary")
-    for key in ("plain_roofline_ratio", "round_over_plain_step", "speedup_at_tau_6_5", "loop_overhead"):
+    for key in ("plain_roofline_ratio", "round_over_plain_step", "speedup_at_tau_6_5", "loop_overhead",
+                "fixed_cost_per_call_s"):
         assert isinstance(summary[key], float), f"summary.{key} was not measured"
     assert all(summary["checks"]["no_recompile"].values()), summary["checks"]["no_recompile"]
     assert all(summary["checks"]["lossless"].values()), summary["checks"]["lossless"]
@@ -103,6 +105,16 @@ def test_hybrid_bench_measures_both_rollbacks_losslessly(tmp_path):
     assert {"per_position_s", "keep_all_s", "replay_s"} <= set(model["rollback"])
     assert model["plain"]["bytes"]["routed_experts_skipped"] > 0, "the roofline counts only the routed experts used"
     assert 0 < model["headline"]["roofline_ratio"] and model["headline"]["round_over_plain_step"] > 0
+
+
+def test_call_cost_fits_a_line_through_the_bursts_and_refuses_one_size():
+    import call_cost
+
+    bursts = [{"rounds": r, "seconds": 0.013 + 0.006 * r} for r in (2, 32, 2, 32, 5)]
+    fixed, per_round = call_cost.fit(bursts)
+    assert abs(fixed - 0.013) < 1e-9 and abs(per_round - 0.006) < 1e-9
+    with pytest.raises(ValueError, match="sizes"):
+        call_cost.fit([{"rounds": 4, "seconds": 0.1}, {"rounds": 4, "seconds": 0.2}])
 
 
 def test_step_verify_compares_the_three_paths_layer_by_layer(tmp_path):
