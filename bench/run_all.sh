@@ -11,8 +11,8 @@
 # warm-up (summary.py --strict).
 #
 # Knobs (environment): BENCH_BUDGET_S (default 540): the sweep skips, and records as skipped,
-# the cells that would end past this many seconds from the start of this script (20 s are kept
-# for the plots and the summary); BENCH_COMPILE_THREADS (default 3): > 1 compiles every sweep
+# the cells that would end past this many seconds from the start of this script (80 s are kept
+# for call_cost, the plots and the summary); BENCH_COMPILE_THREADS (default 3): > 1 compiles every sweep
 # cell's loops up front, that many at a time (faster; GEMM autotuning then shares the GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,12 +64,12 @@ step spec_round python bench/spec_round.py $tiny --out "$out"
 step acceptance python bench/acceptance.py $tiny ${acceptance_args[@]+"${acceptance_args[@]}"} --out "$out"
 step gemm_check python bench/gemm_check.py $tiny --out "$out"
 step profile_round python bench/profile_round.py $tiny --out "$out"
-step call_cost python bench/call_cost.py $tiny --out "$out"
 # the largest cell (batch 64 x prompt 8192) needs ~110 GB: let JAX's allocator take 95% of the GPU
-budget=$(( ${BENCH_BUDGET_S:-540} - SECONDS - 20 ))
+budget=$(( ${BENCH_BUDGET_S:-540} - SECONDS - 80 ))  # 80 s kept for call_cost, the plots and the summary
 step sweep env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}" \
   python bench/sweep.py $tiny ${sweep_args[@]+"${sweep_args[@]}"} --out "$out" \
   --budget-s $(( budget > 30 ? budget : 30 )) --compile-threads "${BENCH_COMPILE_THREADS:-3}"
+step call_cost python bench/call_cost.py $tiny --out "$out"
 step plots python bench/plots.py $tiny --out "$out"
 
 step summary python bench/summary.py $tiny --out "$out" --strict
