@@ -2,7 +2,8 @@
 
 Writes `summary.json` (`summary_tiny.json` with `--tiny`) with the keys plain_roofline_ratio,
 round_over_plain_step, speedup_at_tau_6_5, loop_overhead, speedup_over_static_peer, speedup_at_tau_6_5_batch_64
-(the sweep's batch 64 x prompt 512 cell) and fixed_cost_per_call_s (call_cost.py), plus device, jax_version, date,
+(the sweep's batch 64 x prompt 512 cell), fixed_cost_per_call_s and the sampled rounds over greedy ones at batch 1
+and 8, with one-hot and dense q (call_cost.py's cells), plus device, jax_version, date,
 the source file of each number, and the run checks (compiles after warm-up, lossless, skipped
 cells, whether injected proposals let XLA drop the drafter, plain decoding over the stricter
 read-only roofline); prints target vs measured. A
@@ -38,8 +39,22 @@ TARGETS = (
      "speedup over plain at acceptance length 6.5, batch 64, prompt 512 (a compute-bound verify)"),
     ("fixed_cost_per_call_s", "call_cost", lambda d: d["fixed_cost_per_call_s"], "<=", 1e-3,
      "seconds a call of the compiled speculative loop (Session.burst) costs beyond its rounds"),
+    ("sampled_round_over_greedy_b1", "call_cost", lambda d: _ratio(d, 1, "sampled"), "<=", 1.05,
+     "a round at T 0.7, top-p 0.9, top-k 50 over a greedy round, batch 1"),
+    ("sampled_round_over_greedy_b8", "call_cost", lambda d: _ratio(d, 8, "sampled"), "<=", 1.05,
+     "the same at batch 8"),
+    ("dense_q_round_over_greedy_b1", "call_cost", lambda d: _ratio(d, 1, "sampled_dense"), "<=", 1.10,
+     "a round at the same sampling with proposal='sample' (dense q) over a greedy round, batch 1"),
+    ("dense_q_round_over_greedy_b8", "call_cost", lambda d: _ratio(d, 8, "sampled_dense"), "<=", 1.10,
+     "the same at batch 8"),
 )
 SOURCES = ("plain_decode", "spec_round", "acceptance", "sweep", "call_cost")
+
+
+def _ratio(d: dict, batch: int, sampling: str):
+    """call_cost.json's `round_over_greedy` of the cell `batch` x `sampling` (None if it did not run)."""
+    return next((c["round_over_greedy"] for c in d["cells"] if (c["batch"], c["sampling"]) == (batch, sampling)),
+                None)
 
 
 def _load(folder: str, name: str, tiny: bool):

@@ -117,6 +117,19 @@ def test_call_cost_fits_a_line_through_the_bursts_and_refuses_one_size():
         call_cost.fit([{"rounds": 4, "seconds": 0.1}, {"rounds": 4, "seconds": 0.2}])
 
 
+def test_call_cost_measures_each_sampling_against_greedy(tmp_path):
+    import call_cost
+
+    payload = call_cost.main(["--tiny", "--samplings", "sampled", "--bursts", "4", "--out", str(tmp_path)])
+    assert (tmp_path / "call_cost_tiny.json").is_file()
+    cells = {(c["batch"], c["sampling"]): c for c in payload["cells"]}
+    assert set(cells) == {(1, "greedy"), (1, "sampled")}, "greedy always runs: it is each ratio's baseline"
+    assert cells[(1, "greedy")]["round_over_greedy"] == 1.0 and cells[(1, "sampled")]["round_over_greedy"] > 0
+    assert payload["fixed_cost_per_call_s"] == cells[(1, "greedy")]["fixed_cost_per_call_s"]
+    assert payload["no_recompile"], "every burst of a cell runs the loop compiled by its warm-up"
+    assert all(b["rounds"] >= 1 and b["tokens"] <= b["size"] for c in payload["cells"] for b in c["bursts"])
+
+
 def test_step_verify_compares_the_three_paths_layer_by_layer(tmp_path):
     import step_verify
 
