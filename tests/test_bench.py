@@ -130,6 +130,20 @@ def test_call_cost_measures_each_sampling_against_greedy(tmp_path):
     assert all(b["rounds"] >= 1 and b["tokens"] <= b["size"] for c in payload["cells"] for b in c["bursts"])
 
 
+def test_prefill_counts_the_weights_and_the_causal_attention(tmp_path):
+    import prefill
+
+    payload = prefill.main(["--tiny", "--prompt", "64", "--reps", "1", "--gemm", "64", "--out", str(tmp_path)])
+    c = common.TINY
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * (
+        c.hidden_size) + 3 * c.hidden_size * c.intermediate_size
+    weights = 2 * 64 * per_layer * c.num_layers + 2 * c.vocab_size * c.hidden_size
+    assert payload["weight_flops"] == weights
+    assert payload["flops"] == weights + 2 * 64 ** 2 * c.num_heads * c.head_dim * c.num_layers
+    assert payload["prefill_s"] > 0 and payload["share_of_stated_peak"] > 0
+    assert (tmp_path / "prefill_tiny.json").is_file()
+
+
 def test_step_verify_compares_the_three_paths_layer_by_layer(tmp_path):
     import step_verify
 

@@ -1,0 +1,85 @@
+"""Long-prompt prefill on the GPU (issue 16, item 6): seconds and its share of the bf16 matrix peak.
+
+    python bench/prefill.py                  # H200: batch 1, a 32,000-token prompt (prefill.json)
+    python bench/prefill.py --tiny           # CPU smoke test
+
+The Qwen3-8B-shaped target (random bf16 weights) prefills a random prompt through `dflash_jax.generate` with one
+new token; `prefill_s` is the median of `--reps` runs' `prefill_time_s` (prompt and first token) after one
+warm-up. `weight_flops` are 2 x the layers' weight elements per prompt token and the LM head for the first token: the
+count behind issue 16's figure (1.84 s, about 0.36 of the peak). `flops` adds the causal attention's
+2 x P^2 x heads x head_dim per layer (QK^T and PV over the lower triangle), 40% of the work at 32,000 tokens.
+Shares of a peak, each per count:
+  `share_of_stated_peak`  weight FLOPs per second over issue 16's ~789 TFLOP/s for bf16 on the H200
+                          (`STATED_PEAK_FLOPS`; target >= 0.60; `summary.json`'s `prefill_share_of_peak`);
+  `share_of_stated_peak_with_attention`  the same with the attention counted;
+  `share_of_gemm`         all FLOPs per second over a large bf16 product (`--gemm` cubed) timed in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import acceptance as acc
+import common
+import dflash_jax
+
+STATED_PEAK_FLOPS = 789e12
+TARGET_SHARE = 0.60
+
+
+def prefill_flops(target, prompt: int) -> tuple[float, float]:
+    """`(weight_flops, attention_flops)` of prefilling one `prompt`-token row (module docstring)."""
+    c, p = target.config, target.params
+    layer_elements = sum(x.size for i in range(c.num_layers) for x in jax.tree.leaves(p[f"layers_{i}"])
+                         if x.ndim >= 2)
+    head = c.vocab_size * c.hidden_size
+    return 2.0 * layer_elements * prompt + 2.0 * head, 2.0 * prompt ** 2 * c.num_heads * c.head_dim * c.num_layers
+
+
+def gemm_flops_per_s(n: int, reps: int) -> float:
+    """bf16 `[n, n] @ [n, n]` FLOP/s on this device (median of `reps`)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    seconds, _ = common.timed(jax.jit(lambda x: x @ x), a, reps=reps, warmup=2)
+    return 2.0 * n ** 3 / seconds
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU: tests the script")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32000; tiny 256)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gemm", type=int, default=None, help="side of the peak product (default 8192; tiny 256)")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = ap.parse_args(argv)
+    prompt = args.prompt or (256 if args.tiny else 32000)
+    n = args.gemm or (256 if args.tiny else 8192)
+    if prompt < 1 or n < 1 or args.reps < 1:
+        ap.error("--prompt, --gemm and --reps must be positive")
+    target = acc.models(args.tiny)[0]
+    prompts = acc.make_prompts(1, prompt, target.config.vocab_size, 0)
+    times = [dflash_jax.generate(target, None, prompts, max_new_tokens=1).stats.prefill_time_s
+             for _ in range(args.reps + 1)][1:]
+    seconds = float(np.median(times))
+    weight_flops, attention_flops = prefill_flops(target, prompt)
+    flops = weight_flops + attention_flops
+    gemm = gemm_flops_per_s(n, 10)
+    payload = common.environment(**vars(args)) | {
+        "model": "tiny, random float32" if args.tiny else "Qwen3-8B shape, random bf16", "prompt": prompt,
+        "prefill_s": seconds, "prefill_runs_s": times, "weight_flops": weight_flops, "flops": flops,
+        "tflops": flops / seconds / 1e12, "stated_peak_flops": STATED_PEAK_FLOPS,
+        "share_of_stated_peak": weight_flops / seconds / STATED_PEAK_FLOPS,
+        "share_of_stated_peak_with_attention": flops / seconds / STATED_PEAK_FLOPS,
+        "gemm_side": n, "gemm_flops_per_s": gemm, "share_of_gemm": flops / seconds / gemm,
+        "target_share": TARGET_SHARE}
+    print(f"prefill of {prompt} tokens: {seconds:.3f} s, {payload['tflops']:.1f} TFLOP/s with attention; "
+          f"weights only {payload['share_of_stated_peak']:.2f} of {STATED_PEAK_FLOPS / 1e12:.0f} TFLOP/s; "
+          f"{payload['share_of_gemm']:.2f} of a {n}^3 product's {gemm / 1e12:.1f} TFLOP/s")
+    common.write_json(f"prefill{'_tiny' if args.tiny else ''}.json", payload, args.out)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
