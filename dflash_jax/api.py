@@ -79,7 +79,7 @@ def shard(model, mesh, *, replicated: bool = False, strict: bool = False):
 def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tokens: int, stop_tokens=(),
              sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
              capacity: Optional[int] = None, impl: Optional[str] = None, verify_t: Optional[int] = None,
-             verify_buckets=None, lengths=None) -> Result:
+             verify_buckets=None, lengths=None, prefill_chunk: Optional[int] = None) -> Result:
     """Generate up to `max_new_tokens` per prompt, exactly as the target alone would.
 
     prompts: a list of token-id lists (ragged), or a 2-D int array whose every token is real
@@ -89,7 +89,8 @@ def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tok
     default `Sampling()`). capacity: cache positions per row (default: what the run needs);
     caches that do not fit the free memory are refused before allocation. verify_t caps the drafts
     examined per round, and verify_buckets lists smaller static blocks a round may verify instead
-    of the full one (speculative only). Integers and numbers may be Python or numpy scalars.
+    of the full one (speculative only). prefill_chunk: prompt positions per prefill step (keyword >
+    DFLASH_PREFILL_CHUNK > `policy.prefill_chunk`'s default); tokens do not depend on it. Integers and numbers may be Python or numpy scalars.
     Plain decoding when `drafter` is None. Returns `Result(tokens, stats)`; one compiled
     program is reused for calls with the same static shapes.
     """
@@ -98,10 +99,11 @@ def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tok
             raise ValueError("verify_t and verify_buckets shape a round's verify; plain decoding (drafter=None) "
                              "has none")
         return plain_generate(target, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
-                              sampling=sampling, capacity=capacity, impl=impl, lengths=lengths)
+                              sampling=sampling, capacity=capacity, impl=impl, lengths=lengths,
+                              prefill_chunk=prefill_chunk)
     return Session(target, drafter, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                    sampling=sampling, capacity=capacity, impl=impl, verify_t=verify_t,
-                   verify_buckets=verify_buckets, lengths=lengths).run()
+                   verify_buckets=verify_buckets, lengths=lengths, prefill_chunk=prefill_chunk).run()
 
 
 @dataclasses.dataclass

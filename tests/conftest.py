@@ -114,7 +114,8 @@ def prefill_commit(target: Target, state, block, kept):
 
 def assert_long_prompts_decode_as_the_uncached_forward(target: Target, drafter: Drafter) -> None:
     """A 700-token prompt (two 512-token prefill chunks, the second partly padding) beside a 5-token one that the
-    second chunk leaves alone: greedy tokens equal the argmax of one uncached forward, with and without `drafter`.
+    second chunk leaves alone: greedy tokens equal the argmax of one uncached forward, with and without `drafter`,
+    and at narrower prefill chunks.
     Teacher forcing: each token is the argmax of the forward over everything before it, which by induction is the
     greedy continuation (one forward, not one compile per length)."""
     import dflash_jax
@@ -131,6 +132,10 @@ def assert_long_prompts_decode_as_the_uncached_forward(target: Target, drafter: 
         want = choice[i, len(prompt) - 1:len(prompt) + 3].tolist()
         assert got == want, f"prompt of {len(prompt)} tokens: {got} != the uncached forward's argmax {want}"
     assert dflash_jax.generate(target, drafter, prompts, max_new_tokens=4).tokens == plain
+    for chunk in (64, 256):  # tokens do not depend on the prefill chunk (`policy.prefill_chunk`)
+        got = dflash_jax.generate(target, None, prompts, max_new_tokens=4, prefill_chunk=chunk).tokens
+        assert got == plain, f"prefill chunk {chunk}: {got} != {plain} at the default chunk"
+    assert dflash_jax.generate(target, drafter, prompts, max_new_tokens=4, prefill_chunk=128).tokens == plain
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -447,6 +447,18 @@ def test_verify_cap_resolution_and_refusals():
             policy.verify_cap(None, 15, env={"DFLASH_VERIFY_T": bad})
 
 
+def test_prefill_chunk_resolution_and_refusals():
+    assert policy.prefill_chunk(None, env={}) == policy.PREFILL_CHUNK == 512
+    assert policy.prefill_chunk(None, env={"DFLASH_PREFILL_CHUNK": "2048"}) == 2048
+    assert policy.prefill_chunk(64, env={"DFLASH_PREFILL_CHUNK": "2048"}) == 64, "keyword beats environment"
+    for bad in ("32", "768", "big", "-512"):
+        with pytest.raises(ValueError, match=f"DFLASH_PREFILL_CHUNK='{bad}': the prefill chunk must be a power of two"):
+            policy.prefill_chunk(None, env={"DFLASH_PREFILL_CHUNK": bad})
+    for bad in (0, 100, True, 512.0):
+        with pytest.raises(ValueError, match=r"prefill_chunk \(keyword\)=.*power of two >= 64"):
+            policy.prefill_chunk(bad, env={})
+
+
 def test_attention_impl_defaults_to_pallas_on_gpu_only_and_honours_overrides():
     from dflash_jax.config import policy
 

@@ -154,6 +154,28 @@ def sliding_cache(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]] 
     return resolve_choice("sliding_cache", kwarg, "full", SLIDING_CACHES, env)
 
 
+PREFILL_CHUNK = 512
+"""Prompt positions per prefill `extend` (bounded memory: one chunk's activations at a time)."""
+MIN_PREFILL_CHUNK = 64
+"""The smallest prefill chunk: the hybrid targets' chunked delta rule takes 64 positions at a time."""
+
+
+def prefill_chunk(kwarg: Optional[int] = None, env: Optional[Mapping[str, str]] = os.environ) -> int:
+    """Prompt positions per prefill chunk: keyword > DFLASH_PREFILL_CHUNK > PREFILL_CHUNK. A power of two, at
+    least MIN_PREFILL_CHUNK. Tokens do not depend on it; wider chunks make the prefill's products wider."""
+    env = os.environ if env is None else env
+    raw, source = (kwarg, "prefill_chunk (keyword)") if kwarg is not None else (
+        env.get(env_name("prefill_chunk")) or None, env_name("prefill_chunk"))
+    if raw is None:
+        return PREFILL_CHUNK
+    value = raw if isinstance(raw, int) and not isinstance(raw, bool) else (
+        int(raw) if isinstance(raw, str) and raw.strip().isdigit() else None)
+    if value is None or value < MIN_PREFILL_CHUNK or value & (value - 1):
+        raise ValueError(f"{source}={raw!r}: the prefill chunk must be a power of two >= {MIN_PREFILL_CHUNK} "
+                         f"(64, 128, ..., 512, 1024, ...)")
+    return value
+
+
 ATTENTION_IMPLS = ("xla", "pallas")
 
 

@@ -20,11 +20,10 @@ import numpy as np
 from dflash_jax import quant
 from dflash_jax import sampling as smp
 from dflash_jax import sharding
+from dflash_jax.config import policy
 from dflash_jax.cache import write_rows
 from dflash_jax.drafters.base import Drafter
 from dflash_jax.targets.base import Target
-
-PREFILL_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +88,15 @@ def integers(name: str, values, low: int, high: int, what: str, valid: str) -> n
     return np.asarray(arr if arr.dtype.kind in "iu" else items, np.int32)
 
 
-def pack_prompts(prompts, vocab_size: int, chunk: int = PREFILL_CHUNK, lengths=None) -> Prompts:
+def pack_prompts(prompts, vocab_size: int, chunk: Optional[int] = None, lengths=None) -> Prompts:
     """Validate ragged prompts (list of token-id lists, or a 2-D int array) and pad them.
 
     A 2-D array is read as all real tokens unless `lengths` gives each row's valid length (its
     tokens past that are padding, ignored). The padded length is rounded up to a power of two (at
     least 16), or to a multiple of `chunk` past it, so nearby prompt lengths share one compiled program.
+    `chunk`, the prompt positions per prefill `extend`, is `policy.prefill_chunk`'s keyword.
     """
+    chunk = policy.prefill_chunk(chunk)
     if lengths is not None:
         rows = _cut_rows(prompts, lengths)
     elif isinstance(prompts, (np.ndarray, jax.Array)):

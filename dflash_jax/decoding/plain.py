@@ -132,11 +132,12 @@ def run(loop: PlainLoop, target: Target, s: PlainState, stop_tokens) -> PlainSta
 
 def plain_generate(target: Target, prompts, *, max_new_tokens: int, stop_tokens=(),
                    sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
-                   capacity: Optional[int] = None, impl: Optional[str] = None, lengths=None) -> Result:
+                   capacity: Optional[int] = None, impl: Optional[str] = None, lengths=None,
+                   prefill_chunk: Optional[int] = None) -> Result:
     """Autoregressive decoding as one jitted `lax.while_loop` after a jitted prefill."""
     mesh = sharding.models_mesh(target)
     impl = policy.attention_impl(impl, sharded=mesh is not None)
-    p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
+    p = pack_prompts(prompts, target.config.vocab_size, prefill_chunk, lengths)
     cap = check_capacity(p, max_new_tokens, target.config.max_position_embeddings, 1, capacity)
     samplings = smp.per_row(sampling, p.batch)
     stops = stop_array(stop_tokens, target.config.vocab_size)

@@ -68,12 +68,13 @@ class Session:
     def __init__(self, target: Target, drafter: Drafter, prompts, *, max_new_tokens: int, stop_tokens=(),
                  sampling: smp.Sampling | Sequence[smp.Sampling] | None = smp.Sampling(),
                  capacity: Optional[int] = None, impl: Optional[str] = None, inject: Optional[spec.Injected] = None,
-                 verify_t: Optional[int] = None, verify_buckets=None, lengths=None):
+                 verify_t: Optional[int] = None, verify_buckets=None, lengths=None,
+                 prefill_chunk: Optional[int] = None):
         check_fits_target(drafter.config, target.config)
         check_dtypes(target, drafter)
         self._mesh = sharding.models_mesh(target, drafter)
         impl = policy.attention_impl(impl, sharded=self._mesh is not None)
-        p = pack_prompts(prompts, target.config.vocab_size, lengths=lengths)
+        p = pack_prompts(prompts, target.config.vocab_size, prefill_chunk, lengths)
         rows = smp.per_row(sampling, p.batch)
         smp.check_speculative(rows)
         nd = drafter.n_drafts
