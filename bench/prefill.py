@@ -13,11 +13,15 @@ Shares of a peak, each per count:
                           (`STATED_PEAK_FLOPS`; target >= 0.60; `summary.json`'s `prefill_share_of_peak`);
   `share_of_stated_peak_with_attention`  the same with the attention counted;
   `share_of_gemm`         all FLOPs per second over a large bf16 product (`--gemm` cubed) timed in the same run.
+`by_chunk` holds every (`--attention`, `--chunks`) cell, the chunks' attention through the Pallas kernel or cuDNN
+(`policy.PREFILL_ATTENTION`; on a CPU both run XLA's); the top-level figures are the library's defaults' cell.
+`attention` times one layer's chunk attention alone at the mean context, either impl (GPU only).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -49,32 +53,22 @@ def gemm_flops_per_s(n: int, reps: int) -> float:
     return 2.0 * n ** 3 / seconds
 
 
-def time_prefill(target, prompts, chunk: int, reps: int) -> list:
-    """Seconds of `reps` prefills at `chunk` positions per `extend`, after one warm-up at the same shapes."""
-    return [dflash_jax.generate(target, None, prompts, max_new_tokens=1, prefill_chunk=chunk).stats.prefill_time_s
-            for _ in range(reps + 1)][1:]
-
-
-def cudnn_split_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale: float, log2_stats: bool):
-    """`block_attention` (causal) as two cuDNN calls merged by their softmax statistics: the block over the live
-    context (padding mask at `ctx_len`, which must be >= 1) and the block over itself (causal). `log2_stats` reads
-    cuDNN's statistics as base-2 logarithms instead of natural ones (the run reports which one agrees)."""
-    attend = functools.partial(jax.nn.dot_product_attention, scale=scale, implementation="cudnn",
-                               return_residual=True)
-    o_ctx, l_ctx = attend(q, k_ctx, v_ctx, key_value_seq_lengths=ctx_len)
-    o_blk, l_blk = attend(q, k_blk, v_blk, is_causal=True)
-    l_ctx, l_blk = (x.astype(jnp.float32)[..., None] for x in (l_ctx, l_blk))
-    base = 2.0 if log2_stats else jnp.e
-    m = jnp.maximum(l_ctx, l_blk)
-    w_ctx, w_blk = base ** (l_ctx - m), base ** (l_blk - m)
-    out = (o_ctx.astype(jnp.float32) * w_ctx + o_blk.astype(jnp.float32) * w_blk) / (w_ctx + w_blk)
-    return out.astype(q.dtype)
+def time_prefill(target, prompts, chunk: int, attention: str, reps: int) -> list:
+    """Seconds of `reps` prefills at `chunk` positions per `extend` with `attention` as the chunks' impl (set in
+    `policy.PREFILL_ATTENTION` for the GPU default, "pallas"), after one warm-up at the same shapes."""
+    saved = dict(policy.PREFILL_ATTENTION)
+    policy.PREFILL_ATTENTION["pallas"] = attention
+    try:
+        return [dflash_jax.generate(target, None, prompts, max_new_tokens=1, prefill_chunk=chunk).stats.prefill_time_s
+                for _ in range(reps + 1)][1:]
+    finally:
+        policy.PREFILL_ATTENTION.clear()
+        policy.PREFILL_ATTENTION.update(saved)
 
 
 def attention_cells(cfg, prompt: int, chunks: list, reps: int) -> dict:
-    """One layer's chunk attention at the mean context `prompt // 2`, per chunk: the library's kernel
-    (`block_attention`, impl="pallas") against `cudnn_split_attention`, seconds and agreement, and the seconds the
-    prefill's attention would take at that rate (`prompt / chunk` chunks x layers)."""
+    """One layer's chunk attention at the mean context `prompt // 2`, per chunk: `block_attention` with the Pallas
+    kernel and with cuDNN (`impl="cudnn"`), seconds per call and cuDNN's agreement with the kernel."""
     cells = {}
     for c in chunks:
         capacity = -(-prompt // c) * c
@@ -84,22 +78,13 @@ def attention_cells(cfg, prompt: int, chunks: list, reps: int) -> dict:
         kc, vc = (jax.random.normal(k, shape(capacity, cfg.num_kv_heads), jnp.bfloat16) for k in keys[1:3])
         kb, vb = (jax.random.normal(k, shape(c, cfg.num_kv_heads), jnp.bfloat16) for k in keys[3:5])
         ctx = jnp.full((1,), prompt // 2, jnp.int32)
-        scale = cfg.head_dim ** -0.5
-        ours = jax.jit(functools.partial(block_attention, scale=scale, causal=True, impl="pallas"))
-        ref = ours(q, kc, vc, ctx, kb, vb).astype(jnp.float32)
-        cell = {"context": prompt // 2, "capacity": capacity}
-        cell["pallas_s"], _ = common.timed(ours, q, kc, vc, ctx, kb, vb, reps=reps, warmup=2)
-        for log2 in (False, True):
-            name = "cudnn_split_log2" if log2 else "cudnn_split"
-            try:
-                fn = jax.jit(functools.partial(cudnn_split_attention, scale=scale, log2_stats=log2))
-                out = fn(q, kc, vc, ctx, kb, vb).astype(jnp.float32)
-                cell[f"{name}_rel_err"] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                cell[f"{name}_s"], _ = common.timed(fn, q, kc, vc, ctx, kb, vb, reps=reps, warmup=2)
-            except Exception as e:  # noqa: BLE001 - an unsupported shape is a result here
-                cell[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        chunks_layers = prompt / c * cfg.num_layers
-        cell |= {f"prefill_{k[:-2]}_s": v * chunks_layers for k, v in list(cell.items()) if k.endswith("_s")}
+        fns = {impl: jax.jit(functools.partial(block_attention, scale=cfg.head_dim ** -0.5, causal=True, impl=impl))
+               for impl in ("pallas", "cudnn")}
+        outs = {impl: fn(q, kc, vc, ctx, kb, vb).astype(jnp.float32) for impl, fn in fns.items()}
+        cell = {"context": prompt // 2, "capacity": capacity, "cudnn_rel_err": float(
+            jnp.linalg.norm(outs["cudnn"] - outs["pallas"]) / jnp.linalg.norm(outs["pallas"]))}
+        for impl, fn in fns.items():
+            cell[f"{impl}_s"], _ = common.timed(fn, q, kc, vc, ctx, kb, vb, reps=reps, warmup=2)
         print(f"chunk {c} attention at context {prompt // 2}: {cell}")
         cells[str(c)] = cell
     return cells
@@ -111,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32000; tiny 256)")
     ap.add_argument("--chunks", type=int, nargs="+", default=None,
                     help=f"prefill chunks to time (default: the policy's, {policy.PREFILL_CHUNK})")
+    ap.add_argument("--attention", nargs="+", default=["pallas", "cudnn"], choices=["pallas", "cudnn"],
+                    help="the prefill chunks' attention impls to time (GPU; the default is cudnn)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gemm", type=int, default=None, help="side of the peak product (default 8192; tiny 256)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
@@ -131,24 +118,25 @@ def main(argv=None):
     flops = weight_flops + attention_flops
     gemm = gemm_flops_per_s(n, 10)
     by_chunk = {}
-    for c in chunks:
-        times = time_prefill(target, prompts, c, args.reps)
+    for attention, c in itertools.product(args.attention, chunks):
+        times = time_prefill(target, prompts, c, attention, args.reps)
         seconds = float(np.median(times))
-        by_chunk[str(c)] = {"prefill_s": seconds, "prefill_runs_s": times, "tflops": flops / seconds / 1e12,
+        by_chunk[f"{attention}_{c}"] = {"attention": attention, "chunk": c, "prefill_s": seconds, "prefill_runs_s": times, "tflops": flops / seconds / 1e12,
                             "share_of_stated_peak": weight_flops / seconds / STATED_PEAK_FLOPS,
                             "share_of_stated_peak_with_attention": flops / seconds / STATED_PEAK_FLOPS,
                             "share_of_gemm": flops / seconds / gemm}
-        print(f"chunk {c}: prefill of {prompt} tokens {seconds:.3f} s, {flops / seconds / 1e12:.1f} TFLOP/s with "
+        print(f"{attention} attention, chunk {c}: prefill of {prompt} tokens {seconds:.3f} s, {flops / seconds / 1e12:.1f} TFLOP/s with "
               f"attention; weights only {weight_flops / seconds / STATED_PEAK_FLOPS:.2f} of "
               f"{STATED_PEAK_FLOPS / 1e12:.0f} TFLOP/s; {flops / seconds / gemm:.2f} of a {n}^3 product's "
               f"{gemm / 1e12:.1f} TFLOP/s")
     attention = attention_cells(target.config, prompt, chunks, args.reps + 2) if jax.default_backend() == "gpu" \
         else "skipped: cuDNN attention needs a GPU"
-    default = by_chunk.get(str(policy.PREFILL_CHUNK))
+    default = by_chunk.get(f"{policy.prefill_attention('pallas')}_{policy.PREFILL_CHUNK}")
     payload = common.environment(**vars(args)) | {
         "model": "tiny, random float32" if args.tiny else "Qwen3-8B shape, random bf16", "prompt": prompt,
         "weight_flops": weight_flops, "flops": flops, "stated_peak_flops": STATED_PEAK_FLOPS, "gemm_side": n,
         "gemm_flops_per_s": gemm, "target_share": TARGET_SHARE, "default_chunk": policy.PREFILL_CHUNK,
+        "default_attention": policy.prefill_attention("pallas"),
         "by_chunk": by_chunk, "attention": attention} | (default or {})
     common.write_json(f"prefill{'_tiny' if args.tiny else ''}.json", payload, args.out)
     return payload

@@ -25,7 +25,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.mesh import per_device
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "cudnn")
+CUDNN_MAX_HEAD_DIM = 256
+"""The widest head cuDNN's fused attention takes on Hopper (a multiple of 8); wider heads take the Pallas kernel."""
 
 # Tile settings, picked with `bench/kernel_check.py --sweep` on an H200 (JAX 0.11.2).
 BLOCK_Q = 64  # packed query rows per tile
@@ -100,6 +102,7 @@ def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, cau
     ctx_len[b] must lie in [0, S]. `interpret` runs the Pallas kernel in interpret mode; None (the default) does
     so on every platform but CUDA and ROCm, where the Triton lowering exists, so `impl="pallas"` also runs
     (slowly) on a CPU. Under a mesh the kernel runs per device on its heads and rows (`mesh.per_device`).
+    `impl="cudnn"` is `_cudnn_attention` where `cudnn_serves` says it can, else the Pallas kernel.
     """
     ctx_len = jnp.asarray(ctx_len)
     _check_inputs(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, window, impl)
@@ -108,6 +111,8 @@ def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, cau
     if impl == "xla":
         return _xla_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale=float(scale), causal=causal,
                               window=window)
+    if impl == "cudnn" and cudnn_serves(q, causal, window):
+        return _cudnn_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale=float(scale))
     run = where_lowered(functools.partial(_pallas_attention, scale=float(scale), causal=causal, window=window),
                         interpret)
     heads = (0, 2)  # [B, ., heads, hd]: query heads with their KV heads, split alike
@@ -161,6 +166,33 @@ def _xla_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale, causal, win
     out = (einsum("bkgws,bskd->bwkgd", p[..., :s], v_ctx.astype(f32))
            + einsum("bkgwu,bukd->bwkgd", p[..., s:], v_blk.astype(f32)))
     return out.reshape(b, w, nh, hd).astype(q.dtype)
+
+
+def cudnn_serves(q, causal: bool, window) -> bool:
+    """Whether `_cudnn_attention` computes this attention: causal, no window, a head cuDNN takes, and on a GPU
+    a 16-bit dtype (off a GPU it runs through XLA's attention, in any dtype)."""
+    hd = q.shape[-1]
+    sixteen_bit = q.dtype in (jnp.bfloat16, jnp.float16) or jax.default_backend() != "gpu"
+    return causal and window is None and hd <= CUDNN_MAX_HEAD_DIM and hd % 8 == 0 and sixteen_bit
+
+
+def _cudnn_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale):
+    """Causal block attention as two fused attentions merged by their softmax statistics (log-sum-exp, natural
+    log): the block over the live context (cuDNN's padding mask at `ctx_len`; its work is bounded by it), and the
+    block over itself (cuDNN's causal mask, which aligns query i with key i). A row with no context takes the
+    block's part alone. cuDNN on a GPU (on the H200 0.65 of the Pallas kernel's time for a 4096-token prefill
+    chunk over 16,000 tokens of context, bench/results/prefill.json), `jax.nn.dot_product_attention`'s XLA form
+    elsewhere."""
+    attend = functools.partial(jax.nn.dot_product_attention, scale=scale, return_residual=True,
+                               implementation="cudnn" if jax.default_backend() == "gpu" else "xla")
+    o_ctx, l_ctx = attend(q, k_ctx, v_ctx, key_value_seq_lengths=jnp.maximum(ctx_len, 1))
+    o_blk, l_blk = attend(q, k_blk, v_blk, is_causal=True)
+    f32 = jnp.float32
+    l_ctx = jnp.where((ctx_len > 0)[:, None, None], l_ctx.astype(f32), -jnp.inf)[..., None]
+    l_blk = l_blk.astype(f32)[..., None]
+    m = jnp.maximum(l_ctx, l_blk)
+    w_ctx, w_blk = jnp.exp(l_ctx - m), jnp.exp(l_blk - m)
+    return ((o_ctx.astype(f32) * w_ctx + o_blk.astype(f32) * w_blk) / (w_ctx + w_blk)).astype(q.dtype)
 
 
 def _attend_tile(carry, q, k, v, visible, scale):

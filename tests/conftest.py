@@ -115,7 +115,7 @@ def prefill_commit(target: Target, state, block, kept):
 def assert_long_prompts_decode_as_the_uncached_forward(target: Target, drafter: Drafter) -> None:
     """A 700-token prompt (two 512-token prefill chunks, the second partly padding) beside a 5-token one that the
     second chunk leaves alone: greedy tokens equal the argmax of one uncached forward, with and without `drafter`,
-    and at narrower prefill chunks.
+    and at narrower prefill chunks, and through `impl="cudnn"`.
     Teacher forcing: each token is the argmax of the forward over everything before it, which by induction is the
     greedy continuation (one forward, not one compile per length)."""
     import dflash_jax
@@ -136,6 +136,9 @@ def assert_long_prompts_decode_as_the_uncached_forward(target: Target, drafter: 
         got = dflash_jax.generate(target, None, prompts, max_new_tokens=4, prefill_chunk=chunk).tokens
         assert got == plain, f"prefill chunk {chunk}: {got} != {plain} at the default chunk"
     assert dflash_jax.generate(target, drafter, prompts, max_new_tokens=4, prefill_chunk=128).tokens == plain
+    # impl="cudnn" (here XLA's form of the fused attention, merged with the context's by log-sum-exp)
+    got = dflash_jax.generate(target, None, prompts, max_new_tokens=4, impl="cudnn", prefill_chunk=256).tokens
+    assert got == plain, f"impl='cudnn': {got} != {plain}"
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -459,6 +459,10 @@ def test_prefill_chunk_resolution_and_refusals():
             policy.prefill_chunk(bad, env={})
 
 
+def test_the_prefill_takes_cudnn_where_decoding_takes_the_pallas_kernel():
+    assert [policy.prefill_attention(impl) for impl in policy.ATTENTION_IMPLS] == ["xla", "cudnn", "cudnn"]
+
+
 def test_attention_impl_defaults_to_pallas_on_gpu_only_and_honours_overrides():
     from dflash_jax.config import policy
 

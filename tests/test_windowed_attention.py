@@ -67,7 +67,7 @@ def run(impl, inputs, ctx_len, causal, window, scale=0.25):
     """block_attention jitted (one compile per case instead of one per eager op); Pallas in interpret mode."""
     q, kc, vc, kb, vb = inputs
     return _jitted_attention(q, kc, vc, jnp.asarray(ctx_len, jnp.int32), kb, vb, scale=scale, causal=causal,
-                             window=window, impl=impl, interpret=impl == "pallas")
+                             window=window, impl=impl, interpret=impl != "xla")
 
 
 @pytest.mark.parametrize("b, w, nh, nkv, hd, s, ctx_len, window, causal", CASES)
@@ -87,6 +87,26 @@ def test_pallas_kernel_matches_reference(b, w, nh, nkv, hd, s, ctx_len, window, 
     assert got.shape == (b, w, nh, hd) and got.dtype == jnp.float32, "output must be [B, W, nh, hd] in q.dtype"
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
                                err_msg="the Pallas kernel disagrees with the jnp reference")
+
+
+@pytest.mark.parametrize("b, w, nh, nkv, hd, s, ctx_len, window, causal", CASES)
+def test_cudnn_impl_matches_reference(b, w, nh, nkv, hd, s, ctx_len, window, causal):
+    """`impl="cudnn"`: the context and block attentions merged by their log-sum-exps (here through XLA's form of
+    `jax.nn.dot_product_attention`, as off a GPU), or the Pallas kernel where cuDNN cannot serve (a window, a
+    bidirectional block, a head not a multiple of 8)."""
+    inputs = random_inputs(7, b, w, nh, nkv, hd, s)
+    assert wa.cudnn_serves(inputs[0], causal, window) == (causal and window is None and hd % 8 == 0)
+    got = run("cudnn", inputs, ctx_len, causal, window)
+    want = run("xla", inputs, ctx_len, causal, window)
+    assert got.shape == (b, w, nh, hd) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
+                               err_msg="the merged context and block attentions disagree with the jnp reference")
+
+
+def test_cudnn_impl_takes_heads_up_to_256_only():
+    q = jnp.zeros((1, 4, 2, 256), jnp.float32)
+    assert wa.cudnn_serves(q, True, None) and not wa.cudnn_serves(jnp.zeros((1, 4, 2, 512)), True, None), \
+        "cuDNN takes heads up to 256 on Hopper; Gemma-4's 512 takes the Pallas kernel"
 
 
 @settings(max_examples=8, deadline=None)
@@ -148,7 +168,7 @@ def test_pallas_kernel_never_touches_cache_tiles_outside_the_live_window():
 
 def test_unknown_impl_is_refused_with_the_choices():
     inputs = random_inputs(5, 1, 2, 2, 1, 16, 8)
-    with pytest.raises(ValueError, match=r"impl='triton'.*\('xla', 'pallas'\)"):
+    with pytest.raises(ValueError, match=r"impl='triton'.*\('xla', 'pallas', 'cudnn'\)"):
         run("triton", inputs, [3], True, None)
 
 

@@ -176,18 +176,31 @@ def prefill_chunk(kwarg: Optional[int] = None, env: Optional[Mapping[str, str]] 
     return value
 
 
-ATTENTION_IMPLS = ("xla", "pallas")
+ATTENTION_IMPLS = ("xla", "pallas", "cudnn")
 
 
 def attention_impl(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]] = os.environ,
                    backend: Optional[str] = None, sharded: bool = False) -> str:
     """Attention implementation: keyword > DFLASH_ATTENTION > 'pallas' on GPU (faster at every
     benchmarked shape, bench/results/kernel_check.json), 'xla' elsewhere and for models `sharded` over
-    several devices (there the kernels run per device under `shard_map`, not yet measured on GPUs)."""
+    several devices (there the kernels run per device under `shard_map`, not yet measured on GPUs). 'cudnn' is
+    cuDNN's fused attention where it serves (`block_attention`), the Pallas kernel elsewhere; the prefill takes it
+    by itself (`prefill_attention`)."""
     import jax
 
     default = "pallas" if (backend or jax.default_backend()) == "gpu" and not sharded else "xla"
     return resolve_choice("attention", kwarg, default, ATTENTION_IMPLS, env)
+
+
+PREFILL_ATTENTION = {"pallas": "cudnn"}
+"""The attention impl of the prefill's chunks for each decoding impl not listed as itself. cuDNN's fused attention
+took a 32,000-token prefill from X s to Y s on the H200 (bench/results/prefill.json); a verify of 16 rows stays
+with the Pallas kernel, tuned for it."""
+
+
+def prefill_attention(impl: str) -> str:
+    """The attention impl of prefill chunks when decoding uses `impl` (`PREFILL_ATTENTION`)."""
+    return PREFILL_ATTENTION.get(impl, impl)
 
 
 PRECISIONS = ("bf16", "int8", "q8_0", "q4_0", "mixed")

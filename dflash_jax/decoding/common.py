@@ -259,10 +259,12 @@ def prefill(target: Target, state, tokens: jax.Array, lengths: jax.Array, chunk:
 
     Each chunk is one `extend` at every row's `seq_len`, then `commit` of the row's prompt
     tokens in it (0 for a row whose prompt ended earlier: its padding is rolled back). With a
-    drafter, the chunk's taps are ingested and committed the same way.
+    drafter, the chunk's taps are ingested and committed the same way. The chunks' attention is
+    `policy.prefill_attention(impl)`.
     """
     b, t = tokens.shape
     tap_ids = drafter.tap_ids if drafter is not None else ()
+    attention = policy.prefill_attention(impl)
 
     def body(carry, chunk_tokens):
         state, dstate, h_last = carry
@@ -270,7 +272,7 @@ def prefill(target: Target, state, tokens: jax.Array, lengths: jax.Array, chunk:
         # scores constant, and XLA spends seconds constant-folding them
         start = jax.lax.optimization_barrier(state.seq_len)
         kept = jnp.clip(lengths - start, 0, chunk).astype(jnp.int32)
-        h, taps, state, pending = target.extend(state, chunk_tokens, start, tap_ids, impl, valid=kept)
+        h, taps, state, pending = target.extend(state, chunk_tokens, start, tap_ids, attention, valid=kept)
         state = target.commit(state, pending, kept)
         last = (kept > 0) & (start + kept == lengths)
         row = jnp.take_along_axis(h, jnp.maximum(kept - 1, 0)[:, None, None], axis=1)[:, 0]

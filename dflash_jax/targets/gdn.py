@@ -63,8 +63,8 @@ def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Ar
     the conv state after every position, and `ssm` the per-position updates `(k, u, g)` from which
     `gated_delta.state_at` folds the state after any prefix, so that any prefix can be kept. With `valid [B]`:
     positions from `valid[b]` on are padding (gates masked so they leave the state as it is) and `conv`, `ssm` are
-    the states after the first `valid[b]` positions. `impl` picks `delta_chunk`'s form for blocks narrower than
-    `GDN_CHUNK` ("xla" or the "pallas" kernel).
+    the states after the first `valid[b]` positions. `impl`, the attention's, picks `delta_chunk`'s form for blocks
+    narrower than `GDN_CHUNK`: the reference with "xla", the "pallas" kernel with any other.
     """
     b, w, _ = x.shape
     nk, nv, hk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
@@ -84,7 +84,7 @@ def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Ar
     if valid is not None and w >= GDN_CHUNK:
         o, ssm = delta_rule(ssm_state, q, k, v, g, beta, chunk=GDN_CHUNK)
     else:
-        o, u = delta_chunk(ssm_state, q, k, v, g, beta, impl=impl)
+        o, u = delta_chunk(ssm_state, q, k, v, g, beta, impl="xla" if impl == "xla" else "pallas")
         # a narrow block folds its state from the same updates as a verify's commit: bit for bit
         ssm = (k, u, g) if valid is None else state_at(ssm_state, k, u, g, valid)
     conv = window if valid is None else conv_state_at(window, valid, kernel_size=cfg.linear_conv_kernel)
