@@ -1,11 +1,16 @@
-"""The sampling filter on the GPU: top-k/top-p by the candidate search (`sampling._candidate_keep`) against one
-sort of the whole vocabulary (`sampling._sorted_keep`, the rule it falls back to and `sampling.FILTER_IMPL`'s
-default), over the rows a verify filters: batch x block 16 rows of a 151,936-token vocabulary.
+"""The sampling filter on the GPU: top-k/top-p by each of `sampling.FILTER_IMPLS`: one sort of the whole
+vocabulary (`sampling._sorted_keep`, the rule and `sampling.FILTER_IMPL`'s default), the candidate search
+(`sampling._candidate_keep`, which falls back to the sort) and the threshold search (`sampling._threshold_keep`,
+bisection by row reductions, no sort or top-k), over the rows a verify filters: batch x block 16 rows of a
+151,936-token vocabulary.
 
-Per cell: microseconds of the whole `filtered_logprobs` either way (median of `--reps` calls, each blocked),
-whether the two supports are identical, and whether the candidates were exact for every row (else the search
-paid for the candidates and then the sort). Settings: T 0.7 with top-k 50 and top-p 0.9 (issue 16's), top-p
-0.9 alone, and top-p 0.9 over logits too flat for the candidates (the fallback's cost).
+Per cell: `{impl}_us`, microseconds of the whole `filtered_logprobs` under each impl (median of `--reps` calls,
+each blocked); for each impl but the sort, `same_support_{impl}` (its support is the sort's), `sort_over_{impl}`,
+and where the supports differ `{impl}_tokens_differing` and `{impl}_differing_mass_distance_max` (how far from
+top_p the mass above a differing token lies: float rounding when tiny); `same_support` is the candidates', as in
+earlier results; `candidates_exact`, whether the candidates were exact for every row (else the search paid for
+them and then the sort); and `part_*_us`, the searches' parts alone. Settings: T 0.7 with top-k 50 and top-p 0.9
+(issue 16's), top-p 0.9 alone, and top-p 0.9 over logits too flat for the candidates (the fallback's cost).
 
     python bench/sampling_filter.py            # H200: writes bench/results/sampling_filter.json
     python bench/sampling_filter.py --tiny     # CPU smoke test
@@ -36,6 +41,36 @@ def _filter(impl: str):
     return jax.jit(run)
 
 
+def support_difference(z: np.ndarray, top_k: int, top_p: float, a, b) -> dict:
+    """Where supports `a` and `b` (log-probs, -inf outside) differ: how many tokens, and for those the float64
+    distance of the mass strictly above each from top_p, over the top-k-renormalised distribution (the rule's
+    cut). Distances near float32 rounding say the two differ only in summation order at the cut."""
+    diff = np.argwhere(np.isfinite(np.asarray(a)) != np.isfinite(np.asarray(b)))
+    distances = []
+    for row, token in diff[:32]:
+        x = z[row].astype(np.float64)
+        if 0 < top_k < x.size:
+            x = np.where(x >= np.sort(x)[::-1][top_k - 1], x, -np.inf)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        distances.append(abs(p[x > x[token]].sum() - top_p))
+    return {"tokens_differing": int(len(diff)), "differing_mass_distance_max": max(distances, default=None)}
+
+
+def part_times(z, top_k, top_p, reps: int) -> dict:
+    """Microseconds of the searches' parts alone over these rows: a full descending sort, one `lax.top_k` of 64
+    over the vocabulary, the candidate search's grouped `lax.top_k`, and the whole threshold search."""
+    v = z.shape[-1]
+    n_groups = -(-v // smp.FILTER_GROUP)
+    grouped = jnp.pad(z, ((0, 0), (0, n_groups * smp.FILTER_GROUP - v)), constant_values=-jnp.inf)
+    parts = {"part_sort_us": (jax.jit(lambda x: jnp.sort(x, axis=-1, descending=True)), (z,)),
+             "part_top64_us": (jax.jit(lambda x: jax.lax.top_k(x, 64)[0]), (z,)),
+             "part_grouped_top16_us": (jax.jit(lambda x: jax.lax.top_k(
+                 x.reshape(x.shape[0], n_groups, smp.FILTER_GROUP), smp.FILTER_PER_GROUP)[0]), (grouped,)),
+             "part_threshold_us": (jax.jit(smp._threshold_keep), (z, top_k, top_p))}
+    return {name: common.timed(fn, *args, reps=reps, warmup=2)[0] * 1e6 for name, (fn, args) in parts.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="small vocabulary on the CPU (smoke test)")
@@ -52,15 +87,22 @@ def main(argv=None):
             logits = jnp.asarray(np.random.default_rng(0).normal(size=(rows, vocab)) * scale, jnp.float32)
             rp = smp.row_params(smp.Sampling(temperature=0.7, top_k=top_k, top_p=top_p), rows)
             z = logits / 0.7
-            exact, _ = jax.jit(smp._candidate_cuts)(z, smp._per_row(rp.top_k, z), smp._per_row(rp.top_p, z))
+            top_k_rows, top_p_rows = smp._per_row(rp.top_k, z), smp._per_row(rp.top_p, z)
+            exact, _ = jax.jit(smp._candidate_cuts)(z, top_k_rows, top_p_rows)
             cell = {"batch": batch, "rows": rows, "vocab": vocab, "setting": name, "top_k": top_k, "top_p": top_p,
                     "logit_scale": scale, "candidates_exact": bool(jnp.all(exact))}
             outs = {}
             for impl, fn in impls.items():
                 seconds, outs[impl] = common.timed(fn, logits, rp, reps=args.reps, warmup=2)
                 cell[f"{impl}_us"] = seconds * 1e6
-            cell["same_support"] = bool(jnp.array_equal(jnp.isfinite(outs["candidates"]), jnp.isfinite(outs["sort"])))
-            cell["sort_over_candidates"] = cell["sort_us"] / cell["candidates_us"]
+            for impl in [impl for impl in impls if impl != "sort"]:
+                cell[f"same_support_{impl}"] = bool(jnp.array_equal(jnp.isfinite(outs[impl]),
+                                                                    jnp.isfinite(outs["sort"])))
+                difference = support_difference(np.asarray(z), top_k, top_p, outs[impl], outs["sort"])
+                cell |= {f"{impl}_{key}": value for key, value in difference.items()}
+                cell[f"sort_over_{impl}"] = cell["sort_us"] / cell[f"{impl}_us"]
+            cell["same_support"] = cell["same_support_candidates"]
+            cell |= part_times(z, top_k_rows, top_p_rows, args.reps)
             print(cell)
             cells.append(cell)
     payload = common.environment(**vars(args)) | {"filter_group": smp.FILTER_GROUP,

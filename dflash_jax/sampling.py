@@ -202,12 +202,14 @@ def _per_row(param: jax.Array, like: jax.Array) -> jax.Array:
     return param.reshape(param.shape + (1,) * (like.ndim - param.ndim))
 
 
-FILTER_IMPLS = ("sort", "candidates")
+FILTER_IMPLS = ("sort", "candidates", "threshold")
 FILTER_IMPL = "sort"
-"""How top-k/top-p find their cut: one sort of the vocabulary (`_sorted_keep`), or the candidate search
-(`_candidate_keep`, which falls back to the sort). The sort stays until the search measures faster and identical
-on the H200: `bench/sampling_filter.py` timed it 1.9x faster at 16 rows but 0.8x at 128, and at top-k 50 with
-top-p 0.9 its support differed from the sort's there (not yet diagnosed; on the CPU the two agree)."""
+"""How top-k/top-p find their cut: one sort of the vocabulary (`_sorted_keep`), the candidate search
+(`_candidate_keep`, which falls back to the sort), or bisection over the logits' order keys (`_threshold_keep`:
+elementwise ops and row reductions only, no sort or top-k). The sort stays until another measures faster and
+identical on the H200: `bench/sampling_filter.py` timed the candidates 1.9x faster at 16 rows but 0.8x at 128, and
+at top-k 50 with top-p 0.9 their support differed from the sort's there (not yet diagnosed; on the CPU the two
+agree). The threshold search has not been timed on the GPU yet; that measurement decides between them."""
 FILTER_GROUP = 1024
 """Vocabulary positions per group of the candidate search (`_candidate_cuts`)."""
 FILTER_PER_GROUP = 16
@@ -285,9 +287,70 @@ def _candidate_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
     return jax.lax.cond(jnp.all(exact), lambda: keep, lambda: _sorted_keep(z, top_k, top_p))
 
 
-def _top_k_top_p_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Support of top-k then top-p, found as `FILTER_IMPL` says."""
-    return (_candidate_keep if FILTER_IMPL == "candidates" else _sorted_keep)(z, top_k, top_p)
+_KEY_BITS = 32
+"""Bisection steps of `_largest_key`: each halves a range of uint32 order keys, so 32 close any range."""
+
+
+def _order_key(z: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (negatives' bits flipped, the sign bit set on the rest). -0.0 gets a key
+    just below 0.0's, so compare floats, not keys, wherever the two zeros must stay together."""
+    u = jax.lax.bitcast_convert_type(z, jnp.uint32)
+    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _from_order_key(key: jax.Array) -> jax.Array:
+    """The inverse of `_order_key`."""
+    u = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(u, jnp.float32)
+
+
+def _largest_key(holds, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row, the largest key t in [lo, hi] where `holds(t)`, for a `holds` true up to some key and false above
+    it; lo where it holds nowhere above lo. `_KEY_BITS` bisection steps, each one `holds` (one pass over the row)."""
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo + 1) // 2  # in (lo, hi] while lo < hi, then lo: lo only ever moves to a key that holds
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    return jax.lax.fori_loop(0, _KEY_BITS, step, (lo, hi))[0]
+
+
+def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`_sorted_keep`'s support without a sort or top-k: both cuts bisected over the order keys of `_order_key`,
+    each step a row reduction that XLA fuses into one pass over the logits, so it runs at memory speed.
+
+    top-k's cut is the largest key t with count(key >= t) >= k, the k-th largest logit. top-p's is the largest key
+    t whose mass (over the tokens top-k keeps, normalised over them) of key >= t is >= top_p: the least likely
+    token whose mass strictly above is < top_p, so it keeps what the sort keeps. The sort adds that mass as a cumsum of
+    sorted probabilities, this as one sum, so the two can round apart for a token whose mass strictly above lies
+    within about 1e-6 of top_p; elsewhere the supports are identical.
+    """
+    v = z.shape[-1]
+    m = jnp.max(z, axis=-1, keepdims=True)
+    lo = jnp.broadcast_to(_order_key(jnp.float32(-jnp.inf)), m.shape)  # every key is >= it: both searches hold
+    hi = _order_key(m)  # no cut lies above the row's max, so the max is always kept
+
+    def count_holds(t):
+        return jnp.sum(_order_key(z) >= t, axis=-1, keepdims=True) >= top_k
+
+    thr_k = jnp.where((top_k > 0) & (top_k < v), _from_order_key(_largest_key(count_holds, lo, hi)), -jnp.inf)
+    total = jnp.sum(jnp.where(z >= thr_k, jnp.exp(z - m), 0.0), axis=-1, keepdims=True)
+
+    def mass_holds(t):  # no top-k mask needed: at or below top-k's cut the mass is >= total, so it holds there
+        return jnp.sum(jnp.where(_order_key(z) >= t, jnp.exp(z - m), 0.0), axis=-1, keepdims=True) / total >= top_p
+
+    thr_p = jnp.where(top_p < 1, _from_order_key(_largest_key(mass_holds, lo, hi)), -jnp.inf)
+    return z >= jnp.maximum(thr_k, thr_p)
+
+
+def _top_k_top_p_keep():
+    """The function behind top-k then top-p that `FILTER_IMPL` names. `filtered_logprobs` hands it to `lax.cond`
+    itself, not a wrapper reading FILTER_IMPL: cond caches a branch's trace by function, so a wrapper kept the
+    first impl it traced for every later FILTER_IMPL (and comparisons of impls compared the sort with itself)."""
+    keeps = {"sort": _sorted_keep, "candidates": _candidate_keep, "threshold": _threshold_keep}
+    if FILTER_IMPL not in keeps:
+        raise ValueError(f"FILTER_IMPL={FILTER_IMPL!r} is not a known impl; valid choices: {FILTER_IMPLS}.")
+    return keeps[FILTER_IMPL]
 
 
 def _keep_all(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -312,7 +375,7 @@ def filtered_logprobs(logits: jax.Array, rp: RowParams) -> jax.Array:
     greedy = t == 0
     z = x / jnp.where(greedy, 1.0, t)
     needs_sort = jnp.any(~greedy & (((top_k > 0) & (top_k < v)) | (top_p < 1)))
-    keep = jax.lax.cond(needs_sort, _top_k_top_p_keep, _keep_all, z, top_k, top_p)
+    keep = jax.lax.cond(needs_sort, _top_k_top_p_keep(), _keep_all, z, top_k, top_p)
     z = jnp.where(keep, z, -jnp.inf)
     relative = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
     z = jnp.where(relative >= _per_row(rp.min_p, x), z, -jnp.inf)

@@ -164,22 +164,44 @@ def _assert_matches_reference(out, logits, settings):
                                    err_msg=f"probabilities differ at {idx} for {s}")
 
 
-def test_filters_match_numpy_reference_on_a_mixed_batch():
+def _filter_with(monkeypatch, impl):
+    """`filtered_logprobs` jitted afresh with `FILTER_IMPL` set to `impl` (a new function, so jit traces it now)."""
+    monkeypatch.setattr(S, "FILTER_IMPL", impl)
+    return jax.jit(lambda logits, rp: filtered_logprobs(logits, rp))
+
+
+@pytest.mark.parametrize("impl", S.FILTER_IMPLS)
+def test_filters_match_numpy_reference_on_a_mixed_batch(monkeypatch, impl):
     rng = np.random.default_rng(0)
     b, vocab = 64, 50
     settings = _random_params(rng, b, vocab)
     assert any(s.greedy for s in settings) and any(not s.greedy for s in settings)
     logits = (3.0 * rng.standard_normal((b, vocab))).astype(np.float32)
-    out = jax.jit(filtered_logprobs)(jnp.asarray(logits), row_params(settings, b))
+    out = _filter_with(monkeypatch, impl)(jnp.asarray(logits), row_params(settings, b))
     _assert_matches_reference(out, logits, settings)
 
 
-def test_filters_apply_per_row_parameters_to_every_slot_of_a_block():
+@pytest.mark.parametrize("impl", S.FILTER_IMPLS)
+def test_filters_apply_per_row_parameters_to_every_slot_of_a_block(monkeypatch, impl):
     rng = np.random.default_rng(1)
     b, slots, vocab = 12, 3, 40
     settings = _random_params(rng, b, vocab)
     logits = (3.0 * rng.standard_normal((b, slots, vocab))).astype(np.float32)
-    out = jax.jit(filtered_logprobs)(jnp.asarray(logits), row_params(settings, b))
+    out = _filter_with(monkeypatch, impl)(jnp.asarray(logits), row_params(settings, b))
+    _assert_matches_reference(out, logits, settings)
+
+
+@pytest.mark.parametrize("impl", S.FILTER_IMPLS)
+def test_filters_match_reference_on_edge_rows(monkeypatch, impl):
+    """Each cut alone and both, top_k >= V, top_p = 1, over rows with -inf entries, very flat and very peaked."""
+    rng = np.random.default_rng(10)
+    vocab = 60
+    cuts = [(k, p) for k in (0, 1, 7, vocab - 1, vocab, vocab + 3) for p in (1.0, 0.95, 0.6, 0.2)]
+    settings = [Sampling(temperature=1.0, top_k=k, top_p=p) for k, p in cuts for _ in range(3)]
+    scales = np.tile([1e-3, 2.0, 40.0], len(cuts))
+    logits = (scales[:, None] * rng.standard_normal((len(settings), vocab))).astype(np.float32)
+    logits[::2, rng.permutation(vocab)[:vocab // 3]] = -np.inf  # every other row: a third of the vocabulary masked
+    out = _filter_with(monkeypatch, impl)(jnp.asarray(logits), row_params(settings, len(settings)))
     _assert_matches_reference(out, logits, settings)
 
 
@@ -193,7 +215,9 @@ def test_filters_without_top_k_or_top_p_match_reference():
     _assert_matches_reference(out, logits, settings)
 
 
-def test_filter_ties_are_kept_at_the_cut_and_greedy_takes_the_first_max():
+@pytest.mark.parametrize("impl", S.FILTER_IMPLS)
+def test_filter_ties_are_kept_at_the_cut_and_greedy_takes_the_first_max(monkeypatch, impl):
+    monkeypatch.setattr(S, "FILTER_IMPL", impl)
     logits = jnp.asarray([[3.0, 3.0, 3.0, 1.0, 0.0], [2.0, 2.0, 0.0, 0.0, 0.0], [1.0, 5.0, 5.0, 0.0, 0.0]])
     rp = row_params([Sampling(temperature=1.0, top_k=2), Sampling(temperature=1.0, top_p=0.3), Sampling()], 3)
     support = np.isfinite(np.asarray(filtered_logprobs(logits, rp)))
@@ -202,7 +226,31 @@ def test_filter_ties_are_kept_at_the_cut_and_greedy_takes_the_first_max():
     np.testing.assert_array_equal(support[2], [0, 1, 0, 0, 0], err_msg="greedy is the first index among ties")
 
 
-def test_filters_match_hugging_face_warpers():
+@pytest.mark.parametrize("impl", S.FILTER_IMPLS)
+def test_filter_cuts_are_exact_to_the_last_float(monkeypatch, impl):
+    """Logits one float apart are cut between them at every position, 0.0 and -0.0 stay together, and a token
+    whose mass strictly above is exactly top_p goes."""
+    monkeypatch.setattr(S, "FILTER_IMPL", impl)
+    adjacent = [np.float32(1.0)]
+    for _ in range(7):
+        adjacent.append(np.nextafter(adjacent[-1], np.float32(0)))  # 8 near-equal tokens: mass above token i is i/8
+    half = np.float32(np.log(0.5))
+    assert float(jnp.exp(jnp.float32(half))) == 0.5, "the dyadic row needs exp(log 0.5) == 0.5 exactly"
+    cuts = [Sampling(temperature=1.0, top_k=k) for k in range(1, 8)]
+    cuts += [Sampling(temperature=1.0, top_p=p) for p in (0.05, 0.2, 0.3, 0.45, 0.55, 0.7, 0.8)]
+    settings = cuts + [Sampling(temperature=1.0, top_k=2), Sampling(temperature=1.0, top_p=0.5)]
+    logits = jnp.asarray([adjacent] * len(cuts) + [[1.0, 0.0, -0.0, -1.0] + [-np.inf] * 4,
+                                                   [0.0, half, half] + [-np.inf] * 5], jnp.float32)
+    support = np.isfinite(np.asarray(filtered_logprobs(logits, row_params(settings, len(settings))))).astype(int)
+    np.testing.assert_array_equal(support[:len(cuts)], np.arange(8) < np.tile(np.arange(1, 8), 2)[:, None],
+                                  err_msg="the n-th of 8 adjacent floats is cut one float below it")
+    np.testing.assert_array_equal(support[-2], [1, 1, 1, 0, 0, 0, 0, 0], err_msg="-0.0 ties 0.0 at the cut")
+    np.testing.assert_array_equal(support[-1], [1, 0, 0, 0, 0, 0, 0, 0], err_msg="mass above == top_p is not < top_p")
+
+
+@pytest.mark.parametrize("impl", S.FILTER_IMPLS)
+def test_filters_match_hugging_face_warpers(monkeypatch, impl):
+    monkeypatch.setattr(S, "FILTER_IMPL", impl)
     torch = pytest.importorskip("torch")
     lp = pytest.importorskip("transformers.generation.logits_process")
     rng = np.random.default_rng(3)
@@ -272,12 +320,80 @@ def test_the_filter_gives_the_same_distribution_with_either_impl(monkeypatch):
     logits = jnp.asarray(rng.normal(size=(4, 3, 300)) * 2, jnp.float32)
     rp = row_params([Sampling(temperature=0.7, top_k=20, top_p=0.9), Sampling(temperature=1.0, top_p=0.5),
                      Sampling(temperature=0.0), Sampling(temperature=1.3, top_k=5, min_p=0.1)], 4)
-    got = {}
+    got = {impl: np.asarray(_filter_with(monkeypatch, impl)(logits, rp)) for impl in S.FILTER_IMPLS}
     for impl in S.FILTER_IMPLS:
-        monkeypatch.setattr(S, "FILTER_IMPL", impl)
-        got[impl] = np.asarray(jax.jit(filtered_logprobs)(logits, rp))
-    np.testing.assert_array_equal(np.isfinite(got["sort"]), np.isfinite(got["candidates"]))
-    np.testing.assert_allclose(np.exp(got["sort"]), np.exp(got["candidates"]), atol=1e-7)
+        np.testing.assert_array_equal(np.isfinite(got[impl]), np.isfinite(got["sort"]), err_msg=impl)
+        np.testing.assert_allclose(np.exp(got[impl]), np.exp(got["sort"]), atol=1e-7, err_msg=impl)
+
+
+@pytest.mark.parametrize("impl, present, absent", [("sort", "sort", "top_k"), ("candidates", "top_k", ""),
+                                                   ("threshold", "scan", "sort")])
+def test_filter_impl_picks_the_search_that_is_traced(monkeypatch, impl, present, absent):
+    """Each impl traces its own search (lax.cond caches a branch by function, which once made every impl the first
+    one traced), and the threshold search uses neither a sort nor a top-k."""
+    monkeypatch.setattr(S, "FILTER_IMPL", impl)
+    rp = row_params(Sampling(temperature=1.0, top_k=5, top_p=0.9), 2)
+    jaxpr = str(jax.make_jaxpr(lambda x, rp: filtered_logprobs(x, rp))(jnp.zeros((2, 300)), rp))
+    assert f" {present}[" in jaxpr, f"FILTER_IMPL={impl!r} must trace {present}"
+    assert not absent or f" {absent}[" not in jaxpr, f"FILTER_IMPL={impl!r} must not trace {absent}"
+    if impl == "threshold":
+        assert " top_k[" not in jaxpr, "the threshold search must not use lax.top_k"
+    monkeypatch.setattr(S, "FILTER_IMPL", "heap")
+    with pytest.raises(ValueError, match="FILTER_IMPL='heap'"):
+        jax.make_jaxpr(lambda x, rp: filtered_logprobs(x, rp))(jnp.zeros((2, 300)), rp)
+
+
+def _mass_above_distance(z, top_k, top_p):
+    """Per row, in float64: the least distance from top_p of any token's mass strictly above it (over the
+    top-k-filtered distribution), where float rounding may split the impls; inf where top-p is off."""
+    z = np.asarray(z, np.float64)
+    v = z.shape[-1]
+    k, p = np.asarray(top_k)[:, 0], np.asarray(top_p, np.float64)[:, 0]
+    s = -np.sort(-z, axis=-1)
+    thr = np.where((k > 0) & (k < v), s[np.arange(len(s)), np.clip(k, 1, v) - 1], -np.inf)
+    e = np.exp(np.where(s >= thr[:, None], s, -np.inf) - s[:, :1])
+    mass_before = (np.cumsum(e, axis=-1) - e) / e.sum(-1, keepdims=True)
+    first_of_ties = np.concatenate([np.ones_like(s[:, :1], bool), s[:, 1:] != s[:, :-1]], axis=-1)
+    distance = np.where(first_of_ties, np.abs(mass_before - p[:, None]), np.inf).min(-1)
+    return np.where(p < 1, distance, np.inf)
+
+
+def _mass_above(x, top_k, token):
+    """In float64: the mass strictly above `token` over the top-k-filtered distribution of one row `x`."""
+    x = np.asarray(x, np.float64)
+    if 0 < top_k < x.size:
+        x = np.where(x >= np.sort(x)[::-1][top_k - 1], x, -np.inf)
+    p = np.exp(x - x.max())
+    return p[x > x[token]].sum() / p.sum()
+
+
+def test_the_threshold_search_gives_the_sorted_support_exactly():
+    """Equal to the sort on every row whose cut is not within rounding of top_p (logit scales 0.1 to 10, ties in
+    rounded rows, which hold both -0.0 and 0.0, -inf entries), and on a real vocabulary's rows, where the two may
+    split only a token whose mass strictly above lies within rounding of top_p."""
+    rng = np.random.default_rng(11)
+    v = 2000
+    cuts = [(k, p) for k in (1, 2, 50, v - 1, 0) for p in (0.1, 0.5, 0.9, 0.999, 1.0)]
+    cases = [(k, p, scale, rounded) for k, p in cuts for scale in (0.1, 1.0, 10.0) for rounded in (False, True)]
+    top_k = np.array([[c[0]] for c in cases], np.int32)
+    top_p = np.array([[c[1]] for c in cases], np.float32)
+    z = rng.normal(size=(len(cases), v)) * np.array([c[2] for c in cases])[:, None]
+    z = np.where(np.array([c[3] for c in cases])[:, None], np.round(z), z).astype(np.float32)
+    z[::3, rng.permutation(v)[:v // 4]] = -np.inf
+    assert (np.signbit(z) & (z == 0)).any() and ((z == 0) & ~np.signbit(z)).any(), "both zeros must occur"
+    z_real = (rng.normal(size=(4, 151936)) * 3).astype(np.float32)
+    real = (z_real, np.array([[50], [0], [50], [1000]], np.int32), np.array([[0.9], [0.9], [1.0], [0.5]], np.float32))
+    checked = 0
+    for x, k, p in ((z, top_k, top_p), real):
+        got = np.asarray(jax.jit(S._threshold_keep)(jnp.asarray(x), jnp.asarray(k), jnp.asarray(p)))
+        want = np.asarray(jax.jit(S._sorted_keep)(jnp.asarray(x), jnp.asarray(k), jnp.asarray(p)))
+        clear = _mass_above_distance(x, k, p) > 1e-5
+        np.testing.assert_array_equal(got[clear], want[clear], err_msg="a cut clear of rounding differs")
+        for row, token in np.argwhere(got != want):
+            distance = abs(_mass_above(x[row], k[row, 0], token) - p[row, 0])
+            assert distance < 1e-6, f"row {row} token {token}: supports differ {distance:.1e} from the cut"
+        checked += clear.sum()
+    assert checked >= 0.9 * (len(cases) + 4), f"only {checked} of {len(cases) + 4} rows were clear of rounding"
 
 
 def test_temperature_zero_rows_are_one_hot_and_never_nan():
