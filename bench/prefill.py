@@ -58,6 +58,7 @@ def time_prefill(target, prompts, chunk: int, attention: str, reps: int) -> list
     `policy.PREFILL_ATTENTION` for the GPU default, "pallas"), after one warm-up at the same shapes."""
     saved = dict(policy.PREFILL_ATTENTION)
     policy.PREFILL_ATTENTION["pallas"] = attention
+    jax.clear_caches()  # the loop's static arguments do not name the prefill's impl: trace it again
     try:
         return [dflash_jax.generate(target, None, prompts, max_new_tokens=1, prefill_chunk=chunk).stats.prefill_time_s
                 for _ in range(reps + 1)][1:]
@@ -131,12 +132,13 @@ def main(argv=None):
               f"{gemm / 1e12:.1f} TFLOP/s")
     attention = attention_cells(target.config, prompt, chunks, args.reps + 2) if jax.default_backend() == "gpu" \
         else "skipped: cuDNN attention needs a GPU"
-    default = by_chunk.get(f"{policy.prefill_attention('pallas')}_{policy.PREFILL_CHUNK}")
+    chunks_default = -(-prompt // policy.PREFILL_CHUNK)
+    default = by_chunk.get(f"{policy.prefill_attention('pallas', chunks_default)}_{policy.PREFILL_CHUNK}")
     payload = common.environment(**vars(args)) | {
         "model": "tiny, random float32" if args.tiny else "Qwen3-8B shape, random bf16", "prompt": prompt,
         "weight_flops": weight_flops, "flops": flops, "stated_peak_flops": STATED_PEAK_FLOPS, "gemm_side": n,
         "gemm_flops_per_s": gemm, "target_share": TARGET_SHARE, "default_chunk": policy.PREFILL_CHUNK,
-        "default_attention": policy.prefill_attention("pallas"),
+        "default_attention": policy.prefill_attention("pallas", chunks_default),
         "by_chunk": by_chunk, "attention": attention} | (default or {})
     common.write_json(f"prefill{'_tiny' if args.tiny else ''}.json", payload, args.out)
     return payload

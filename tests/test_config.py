@@ -459,8 +459,9 @@ def test_prefill_chunk_resolution_and_refusals():
             policy.prefill_chunk(bad, env={})
 
 
-def test_the_prefill_takes_cudnn_where_decoding_takes_the_pallas_kernel():
-    assert [policy.prefill_attention(impl) for impl in policy.ATTENTION_IMPLS] == ["xla", "cudnn", "cudnn"]
+def test_a_prefill_of_several_chunks_takes_cudnn_where_decoding_takes_the_pallas_kernel():
+    assert [policy.prefill_attention(impl, 2) for impl in policy.ATTENTION_IMPLS] == ["xla", "cudnn", "cudnn"]
+    assert [policy.prefill_attention(impl, 1) for impl in policy.ATTENTION_IMPLS] == ["xla", "pallas", "cudnn"]
 
 
 def test_attention_impl_defaults_to_pallas_on_gpu_only_and_honours_overrides():

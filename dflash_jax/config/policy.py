@@ -193,14 +193,15 @@ def attention_impl(kwarg: Optional[str] = None, env: Optional[Mapping[str, str]]
 
 
 PREFILL_ATTENTION = {"pallas": "cudnn"}
-"""The attention impl of the prefill's chunks for each decoding impl not listed as itself. cuDNN's fused attention
-took a 32,000-token prefill from X s to Y s on the H200 (bench/results/prefill.json); a verify of 16 rows stays
-with the Pallas kernel, tuned for it."""
+"""The attention impl of a prefill of several chunks for each decoding impl (one not listed keeps its own). On the
+H200 cuDNN's fused attention took a 32,000-token prefill from 1.816 s to 1.465 s at chunk 512, and to 1.344 s at
+chunk 4096 (bench/results/prefill.json); a one-chunk 512-token prompt took 0.062 s with it against 0.049 s with
+the kernel (prefill_512.json), so a prompt of one chunk keeps the kernel, as a verify of 16 rows does."""
 
 
-def prefill_attention(impl: str) -> str:
-    """The attention impl of prefill chunks when decoding uses `impl` (`PREFILL_ATTENTION`)."""
-    return PREFILL_ATTENTION.get(impl, impl)
+def prefill_attention(impl: str, chunks: int = 2) -> str:
+    """The attention impl of a prefill of `chunks` chunks when decoding uses `impl` (`PREFILL_ATTENTION`)."""
+    return PREFILL_ATTENTION.get(impl, impl) if chunks > 1 else impl
 
 
 PRECISIONS = ("bf16", "int8", "q8_0", "q4_0", "mixed")

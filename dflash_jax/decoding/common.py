@@ -260,11 +260,11 @@ def prefill(target: Target, state, tokens: jax.Array, lengths: jax.Array, chunk:
     Each chunk is one `extend` at every row's `seq_len`, then `commit` of the row's prompt
     tokens in it (0 for a row whose prompt ended earlier: its padding is rolled back). With a
     drafter, the chunk's taps are ingested and committed the same way. The chunks' attention is
-    `policy.prefill_attention(impl)`.
+    `policy.prefill_attention(impl, chunks)`.
     """
     b, t = tokens.shape
     tap_ids = drafter.tap_ids if drafter is not None else ()
-    attention = policy.prefill_attention(impl)
+    attention = policy.prefill_attention(impl, t // chunk)
 
     def body(carry, chunk_tokens):
         state, dstate, h_last = carry
