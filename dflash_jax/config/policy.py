@@ -75,16 +75,23 @@ def verify_cap(kwarg: Optional[int], n_drafts: int, env: Optional[Mapping[str, s
     return cap
 
 
+def integer_setting(name: str, kwarg, env: Optional[Mapping[str, str]] = os.environ) -> tuple:
+    """`(raw, source, value)` of a non-negative integer setting, keyword > DFLASH_<NAME>: raw None when unset, value
+    None when raw is not such an integer (a bool, a float, a string of other than digits)."""
+    env = os.environ if env is None else env
+    raw, source = (kwarg, f"{name} (keyword)") if kwarg is not None else (env.get(env_name(name)) or None,
+                                                                         env_name(name))
+    value = raw if isinstance(raw, int) and not isinstance(raw, bool) else (
+        int(raw) if isinstance(raw, str) and raw.strip().isdigit() else None)
+    return raw, source, value
+
+
 def verify_budget(kwarg, env: Optional[Mapping[str, str]] = os.environ) -> Optional[int]:
     """DSpark's batch verify budget, drafts examined per round across the batch: keyword >
     DFLASH_VERIFY_BUDGET > None (every row sized alone)."""
-    env = os.environ if env is None else env
-    raw, source = (kwarg, "verify_budget (keyword)") if kwarg is not None else (
-        env.get(env_name("verify_budget")) or None, env_name("verify_budget"))
+    raw, source, value = integer_setting("verify_budget", kwarg, env)
     if raw is None:
         return None
-    value = raw if isinstance(raw, int) and not isinstance(raw, bool) else (
-        int(raw) if isinstance(raw, str) and raw.strip().isdigit() else None)
     if value is None or value < 1:
         raise ValueError(f"{source}={raw!r}: the verify budget must be a positive integer (drafts a round)")
     return value
@@ -163,13 +170,9 @@ MIN_PREFILL_CHUNK = 64
 def prefill_chunk(kwarg: Optional[int] = None, env: Optional[Mapping[str, str]] = os.environ) -> int:
     """Prompt positions per prefill chunk: keyword > DFLASH_PREFILL_CHUNK > PREFILL_CHUNK. A power of two, at
     least MIN_PREFILL_CHUNK. Tokens do not depend on it; wider chunks make the prefill's products wider."""
-    env = os.environ if env is None else env
-    raw, source = (kwarg, "prefill_chunk (keyword)") if kwarg is not None else (
-        env.get(env_name("prefill_chunk")) or None, env_name("prefill_chunk"))
+    raw, source, value = integer_setting("prefill_chunk", kwarg, env)
     if raw is None:
         return PREFILL_CHUNK
-    value = raw if isinstance(raw, int) and not isinstance(raw, bool) else (
-        int(raw) if isinstance(raw, str) and raw.strip().isdigit() else None)
     if value is None or value < MIN_PREFILL_CHUNK or value & (value - 1):
         raise ValueError(f"{source}={raw!r}: the prefill chunk must be a power of two >= {MIN_PREFILL_CHUNK} "
                          f"(64, 128, ..., 512, 1024, ...)")
