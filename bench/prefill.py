@@ -139,7 +139,8 @@ def main(argv=None):
         "weight_flops": weight_flops, "flops": flops, "stated_peak_flops": STATED_PEAK_FLOPS, "gemm_side": n,
         "gemm_flops_per_s": gemm, "target_share": TARGET_SHARE, "default_chunk": policy.PREFILL_CHUNK,
         "default_attention": policy.prefill_attention("pallas", chunks_default),
-        "by_chunk": by_chunk, "attention": attention} | (default or {})
+        "by_chunk": by_chunk, "attention": attention} | {
+            k: v for k, v in (default or {}).items() if k not in ("attention", "chunk")}
     common.write_json(f"prefill{'_tiny' if args.tiny else ''}.json", payload, args.out)
     return payload
 

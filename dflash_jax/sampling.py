@@ -318,7 +318,8 @@ def _largest_key(holds, lo: jax.Array, hi: jax.Array) -> jax.Array:
 
 def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """`_sorted_keep`'s support without a sort or top-k: both cuts bisected over the order keys of `_order_key`,
-    each step a row reduction that XLA fuses into one pass over the logits, so it runs at memory speed.
+    each step a row reduction that XLA fuses into one pass over the logits (on the H200 its 64 passes cost more than
+    the sort: `FILTER_IMPL`).
 
     top-k's cut is the largest key t with count(key >= t) >= k, the k-th largest logit. top-p's is the largest key
     t whose mass (over the tokens top-k keeps, normalised over them) of key >= t is >= top_p: the least likely

@@ -4,7 +4,8 @@ One entry point serves the drafter (b block rows over the draft cache, full / sl
 sliding-symmetric masks) and the target's verify and decode (W rows over the KV cache, causal
 inside the block). `impl="xla"` is the plain jnp reference over the whole cache capacity;
 `impl="pallas"` is a Pallas (Triton-lowered) GPU kernel whose work is bounded by the live
-context length and the window, not by the capacity.
+context length and the window, not by the capacity. `impl="cudnn"` is cuDNN's fused attention (through
+`jax.nn.dot_product_attention`) for the causal, unwindowed attentions it takes, the kernel for the rest.
 
 Kernel layout: the W block rows times the `nh // nkv` query heads of one KV head are packed into
 one query tile (so 16 rows x 4 heads make a 64-row matmul instead of sixteen skinny ones). The
@@ -180,7 +181,7 @@ def _cudnn_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale):
     """Causal block attention as two fused attentions merged by their softmax statistics (log-sum-exp, natural
     log): the block over the live context (cuDNN's padding mask at `ctx_len`; its work is bounded by it), and the
     block over itself (cuDNN's causal mask, which aligns query i with key i). A row with no context takes the
-    block's part alone. cuDNN on a GPU (on the H200 0.65 of the Pallas kernel's time for a 4096-token prefill
+    block's part alone. cuDNN on a GPU (on the H200 0.60 of the Pallas kernel's time for a 4096-token prefill
     chunk over 16,000 tokens of context, bench/results/prefill.json), `jax.nn.dot_product_attention`'s XLA form
     elsewhere."""
     attend = functools.partial(jax.nn.dot_product_attention, scale=scale, return_residual=True,
