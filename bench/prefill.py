@@ -122,23 +122,24 @@ def main(argv=None):
     for attention, c in itertools.product(args.attention, chunks):
         times = time_prefill(target, prompts, c, attention, args.reps)
         seconds = float(np.median(times))
-        by_chunk[f"{attention}_{c}"] = {"attention": attention, "chunk": c, "prefill_s": seconds, "prefill_runs_s": times, "tflops": flops / seconds / 1e12,
-                            "share_of_stated_peak": weight_flops / seconds / STATED_PEAK_FLOPS,
-                            "share_of_stated_peak_with_attention": flops / seconds / STATED_PEAK_FLOPS,
-                            "share_of_gemm": flops / seconds / gemm}
-        print(f"{attention} attention, chunk {c}: prefill of {prompt} tokens {seconds:.3f} s, {flops / seconds / 1e12:.1f} TFLOP/s with "
-              f"attention; weights only {weight_flops / seconds / STATED_PEAK_FLOPS:.2f} of "
-              f"{STATED_PEAK_FLOPS / 1e12:.0f} TFLOP/s; {flops / seconds / gemm:.2f} of a {n}^3 product's "
+        cell = by_chunk[f"{attention}_{c}"] = {
+            "attention": attention, "chunk": c, "prefill_s": seconds, "prefill_runs_s": times,
+            "tflops": flops / seconds / 1e12, "share_of_stated_peak": weight_flops / seconds / STATED_PEAK_FLOPS,
+            "share_of_stated_peak_with_attention": flops / seconds / STATED_PEAK_FLOPS,
+            "share_of_gemm": flops / seconds / gemm}
+        print(f"{attention} attention, chunk {c}: prefill of {prompt} tokens {seconds:.3f} s, {cell['tflops']:.1f} "
+              f"TFLOP/s with attention; weights only {cell['share_of_stated_peak']:.2f} of "
+              f"{STATED_PEAK_FLOPS / 1e12:.0f} TFLOP/s; {cell['share_of_gemm']:.2f} of a {n}^3 product's "
               f"{gemm / 1e12:.1f} TFLOP/s")
     attention = attention_cells(target.config, prompt, chunks, args.reps + 2) if jax.default_backend() == "gpu" \
         else "skipped: cuDNN attention needs a GPU"
-    chunks_default = -(-prompt // policy.PREFILL_CHUNK)
-    default = by_chunk.get(f"{policy.prefill_attention('pallas', chunks_default)}_{policy.PREFILL_CHUNK}")
+    default_attention = policy.prefill_attention("pallas", -(-prompt // policy.PREFILL_CHUNK))
+    default = by_chunk.get(f"{default_attention}_{policy.PREFILL_CHUNK}")
     payload = common.environment(**vars(args)) | {
         "model": "tiny, random float32" if args.tiny else "Qwen3-8B shape, random bf16", "prompt": prompt,
         "weight_flops": weight_flops, "flops": flops, "stated_peak_flops": STATED_PEAK_FLOPS, "gemm_side": n,
         "gemm_flops_per_s": gemm, "target_share": TARGET_SHARE, "default_chunk": policy.PREFILL_CHUNK,
-        "default_attention": policy.prefill_attention("pallas", chunks_default),
+        "default_attention": default_attention,
         "by_chunk": by_chunk, "attention": attention} | {
             k: v for k, v in (default or {}).items() if k not in ("attention", "chunk")}
     common.write_json(f"prefill{'_tiny' if args.tiny else ''}.json", payload, args.out)

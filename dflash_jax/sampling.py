@@ -329,17 +329,18 @@ def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
     """
     v = z.shape[-1]
     m = jnp.max(z, axis=-1, keepdims=True)
+    keys, weights = _order_key(z), jnp.exp(z - m)  # once, outside both searches' loops
     lo = jnp.broadcast_to(_order_key(jnp.float32(-jnp.inf)), m.shape)  # every key is >= it: both searches hold
     hi = _order_key(m)  # no cut lies above the row's max, so the max is always kept
 
     def count_holds(t):
-        return jnp.sum(_order_key(z) >= t, axis=-1, keepdims=True) >= top_k
+        return jnp.sum(keys >= t, axis=-1, keepdims=True) >= top_k
 
     thr_k = jnp.where((top_k > 0) & (top_k < v), _from_order_key(_largest_key(count_holds, lo, hi)), -jnp.inf)
-    total = jnp.sum(jnp.where(z >= thr_k, jnp.exp(z - m), 0.0), axis=-1, keepdims=True)
+    total = jnp.sum(jnp.where(z >= thr_k, weights, 0.0), axis=-1, keepdims=True)
 
     def mass_holds(t):  # no top-k mask needed: at or below top-k's cut the mass is >= total, so it holds there
-        return jnp.sum(jnp.where(_order_key(z) >= t, jnp.exp(z - m), 0.0), axis=-1, keepdims=True) / total >= top_p
+        return jnp.sum(jnp.where(keys >= t, weights, 0.0), axis=-1, keepdims=True) / total >= top_p
 
     thr_p = jnp.where(top_p < 1, _from_order_key(_largest_key(mass_holds, lo, hi)), -jnp.inf)
     return z >= jnp.maximum(thr_k, thr_p)

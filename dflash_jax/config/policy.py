@@ -75,7 +75,7 @@ def verify_cap(kwarg: Optional[int], n_drafts: int, env: Optional[Mapping[str, s
     return cap
 
 
-def integer_setting(name: str, kwarg, env: Optional[Mapping[str, str]] = os.environ) -> tuple:
+def _integer_setting(name: str, kwarg, env: Optional[Mapping[str, str]] = os.environ) -> tuple:
     """`(raw, source, value)` of a non-negative integer setting, keyword > DFLASH_<NAME>: raw None when unset, value
     None when raw is not such an integer (a bool, a float, a string of other than digits)."""
     env = os.environ if env is None else env
@@ -89,7 +89,7 @@ def integer_setting(name: str, kwarg, env: Optional[Mapping[str, str]] = os.envi
 def verify_budget(kwarg, env: Optional[Mapping[str, str]] = os.environ) -> Optional[int]:
     """DSpark's batch verify budget, drafts examined per round across the batch: keyword >
     DFLASH_VERIFY_BUDGET > None (every row sized alone)."""
-    raw, source, value = integer_setting("verify_budget", kwarg, env)
+    raw, source, value = _integer_setting("verify_budget", kwarg, env)
     if raw is None:
         return None
     if value is None or value < 1:
@@ -170,7 +170,7 @@ MIN_PREFILL_CHUNK = 64
 def prefill_chunk(kwarg: Optional[int] = None, env: Optional[Mapping[str, str]] = os.environ) -> int:
     """Prompt positions per prefill chunk: keyword > DFLASH_PREFILL_CHUNK > PREFILL_CHUNK. A power of two, at
     least MIN_PREFILL_CHUNK. Tokens do not depend on it; wider chunks make the prefill's products wider."""
-    raw, source, value = integer_setting("prefill_chunk", kwarg, env)
+    raw, source, value = _integer_setting("prefill_chunk", kwarg, env)
     if raw is None:
         return PREFILL_CHUNK
     if value is None or value < MIN_PREFILL_CHUNK or value & (value - 1):
@@ -202,7 +202,7 @@ chunk 4096 (bench/results/prefill.json); a one-chunk 512-token prompt took 0.062
 the kernel (prefill_512.json), so a prompt of one chunk keeps the kernel, as a verify of 16 rows does."""
 
 
-def prefill_attention(impl: str, chunks: int = 2) -> str:
+def prefill_attention(impl: str, chunks: int) -> str:
     """The attention impl of a prefill of `chunks` chunks when decoding uses `impl` (`PREFILL_ATTENTION`)."""
     return PREFILL_ATTENTION.get(impl, impl) if chunks > 1 else impl
 
