@@ -23,6 +23,7 @@ small kernels, and `top` says which ones.
     python bench/profile_round.py [--tiny] [--out DIR]     # writes profile_round.json
     python bench/profile_round.py --keep DIR                # also the traces and compiled HLO
     python bench/profile_round.py --model qwen3.5-9b        # a hybrid target of bench/hybrid.py: profile_round_qwen3.5-9b.json
+    python bench/profile_round.py --precision int8          # the target's weights quantised: profile_round_int8.json
 """
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import acceptance as acc
 import common
 import hybrid
+from dflash_jax import quant
 from dflash_jax.config import policy
 from dflash_jax.decoding import plain
 from dflash_jax.decoding import speculative as spec
@@ -138,6 +141,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model on the CPU: tests the script")
     ap.add_argument("--model", default="qwen3-8b", choices=["qwen3-8b", *hybrid.MODELS],
                     help="the target's shape (random bf16); hybrids as in bench/hybrid.py, with the 5-layer drafter")
+    ap.add_argument("--precision", default="bf16", choices=list(policy.PRECISIONS),
+                    help="the target's weight precision (quantised on the device; the drafter stays bf16)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="also copy the Perfetto traces and write the loops' compiled HLO text here")
@@ -149,6 +154,8 @@ def main(argv=None) -> None:
     else:
         cfg = hybrid.MODELS[args.model]
         target, drafter = common.random_target(cfg), common.random_drafter(common.drafter_config(cfg, 16, 5))
+    if args.precision != "bf16":
+        target = target.replace(params=quant.quantize_params(target.params, args.precision, xp=jnp))
     cell = acc.open_cell(target, drafter, args.batch, prompt, new, impl, "synthetic")
     reference, _, _ = cell.run_plain()
     probs = acc.first_wrong_probs(args.tau, cell.nd)
@@ -166,7 +173,7 @@ def main(argv=None) -> None:
     spec_inj = summarize(device_events(spec_trace), spec_wall, int(np.max(run.stats.rounds)), args.top)
     spec_real = summarize(device_events(real_trace), real_wall, int(np.max(real.stats.rounds)), args.top)
     payload = common.environment(batch=args.batch, prompt=prompt, new=new, tau=args.tau, impl=impl, tiny=args.tiny,
-                                 model=args.model)
+                                 model=args.model, precision=args.precision)
     payload.update(weight_bytes=common.target_step_bytes(target), drafter_bytes=common.nbytes(drafter.params),
                    plain_step=plain, spec_round=spec_inj, spec_round_real=spec_real,
                    round_over_step_busy=spec_inj["busy_us"] / plain["busy_us"])
@@ -176,6 +183,7 @@ def main(argv=None) -> None:
         for k in s["top"][:10]:
             print(f"   {k['us']:8.1f} us  {k['calls']:6.1f}x  {k['share_of_busy']:5.1%}  {k['name'][:90]}")
     name = "profile_round" + ("_tiny" if args.tiny else "" if args.model == "qwen3-8b" else f"_{args.model}")
+    name += "" if args.precision == "bf16" else f"_{args.precision}"
     common.write_json(f"{name}.json", payload, args.out)
 
 
