@@ -285,3 +285,21 @@ def test_nan_weights_everywhere_are_caught_at_the_prefill(target, drafter, use_d
             dflash_jax.Session(bad, drafter, EMBED_PROMPTS, max_new_tokens=24, inject=exact_inject(clean, 3))
         else:
             dflash_jax.generate(bad, None, EMBED_PROMPTS, max_new_tokens=24)
+
+
+def test_the_packed_report_a_burst_fetches_holds_the_state_it_read(target, drafter):
+    """A burst reads the output and counters from one packed array (`speculative.report`, one transfer): unpacked,
+    it equals the state's own fields, and the session's view of them."""
+    from dflash_jax.decoding import speculative as spec
+
+    session = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
+    session.burst(5)
+    s = jax.device_get(session.state)
+    out, n_out, done, nonfinite, stats = spec.read_report(np.asarray(spec.report(session.state)), s.out.shape[1])
+    np.testing.assert_array_equal(out, s.out)
+    assert n_out.tolist() == s.n_out.tolist() and done.tolist() == s.done.tolist()
+    assert done.dtype == bool and nonfinite.tolist() == s.nonfinite.tolist()
+    for name in ("rounds", "drafted", "accepted", "committed", "accept_hist"):
+        np.testing.assert_array_equal(getattr(stats, name), getattr(s.stats, name), err_msg=name)
+    assert stats.rounds.max() > 0 and n_out.min() >= 5
+    np.testing.assert_array_equal(session._out, s.out)

@@ -103,17 +103,17 @@ class Session:
                                     smp.row_params(rows, p.batch), self.stop_tokens, inject)
         self._lengths = p.lengths
         self._lock = threading.Lock()
-        self._fetch()
+        self._read(spec.report_jit(self.state))
         self._n_seen = np.zeros(p.batch, np.int64)
         self.prefill_time_s = time.perf_counter() - t0
         self.decode_time_s = 0.0
         check_finite(self._nonfinite, self._lengths)
 
-    def _fetch(self):
-        """Host copies of what the bursts read: the output, its lengths, done and the counters."""
-        s = self.state
-        self._out, self._n_out, self._done, self._nonfinite, self._counts = sharding.fetch(
-            (s.out, s.n_out, s.done, s.nonfinite, s.stats))
+    def _read(self, packed):
+        """Host copies of what the bursts read (the output, its lengths, done and the counters), from the state's
+        `speculative.report`."""
+        self._out, self._n_out, self._done, self._nonfinite, self._counts = spec.read_report(
+            np.asarray(sharding.fetch(packed)), self.state.out.shape[1])
 
     @property
     def finished(self) -> bool:
@@ -155,9 +155,9 @@ class Session:
         before = self._counts
         t0 = time.perf_counter()
         with sharding.mesh_context(self._mesh):
-            self.state = spec.run(self.loop, self.target, self.drafter,
-                                  self.state.replace(limit=jnp.asarray(want, jnp.int32)), self.stop_tokens)
-        self._fetch()
+            self.state, packed = spec.run_burst(self.loop, self.target, self.drafter, self.state, self.stop_tokens,
+                                                want.astype(np.int32))
+        self._read(packed)
         dt = time.perf_counter() - t0
         self.decode_time_s += dt
         check_finite(self._nonfinite, self._lengths)
