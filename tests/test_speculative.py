@@ -207,6 +207,19 @@ def test_verify_cap_bounds_acceptance_but_not_the_output(target, plain):
     assert out.tokens == plain
     hist = out.stats.accept_hist
     assert sum(hist[3:]) == 0 and hist[2] > 0, f"vt=3 examines at most 2 drafts; histogram {hist}"
+    widths = []
+    extend = type(target).extend
+
+    def recording_extend(self, state, block, *args, **kwargs):
+        widths.append(block.shape[1])
+        return extend(self, state, block, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(target), "extend", recording_extend)
+        session = dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=3)
+        widths.clear()  # the prefill's chunks
+        spec.run.trace(session.loop, target, drafter, session.state, session.stop_tokens)
+    assert widths == [3], f"a cap of 3 verifies a block of 3 rows, not {nd + 1}; the loop traced widths {widths}"
     with pytest.raises(ValueError, match=r"verify cap must be an integer in 2\.\.8"):
         dflash_jax.Session(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, verify_t=9)
     with pytest.raises(ValueError, match=r"verify_t .* plain decoding \(drafter=None\) has none"):

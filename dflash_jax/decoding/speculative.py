@@ -104,10 +104,11 @@ class Loop:
     proposal: 'argmax' (one-hot q) or 'sample' (each slot drawn from the filtered draft
     distribution, dense q). impl: attention implementation ('xla' | 'pallas').
     verify_cap: the largest verify width (anchor plus drafts examined per round, 2..nd + 1);
-    it never changes the output, only how many drafts may be accepted.
-    verify_buckets: static block widths below nd + 1. Each round verifies the smallest bucket
-    that holds every active row's verify width (`lax.switch`), the full block when none does;
-    () always verifies the full block. The output is the same either way; the cost is not.
+    it never changes the output, only how many drafts may be accepted, and the verify block is cut to it
+    (a cap of 8 verifies 8 rows a round, not nd + 1: at a large batch the verify is compute-bound).
+    verify_buckets: static block widths below the cap. Each round verifies the smallest bucket
+    that holds every active row's verify width (`lax.switch`), the widest block (nd + 1, or the cap)
+    when none does; () always verifies that block. The output is the same either way; the cost is not.
     """
 
     max_new_tokens: int
@@ -225,7 +226,8 @@ class Loop:
             tstate, pending, m, nxt, taps, n_finite = self.verify(target, drafter, s, p)
             return self.advance(target, drafter, s, p, tstate, pending, m, nxt, taps, n_finite, stop_tokens)
 
-        widths = (*sorted(set(self.verify_buckets)), prop.drafts.shape[1] + 1)
+        top = min(self.verify_cap, prop.drafts.shape[1] + 1)  # no row may use more: a narrower block is verified
+        widths = (*sorted(w for w in set(self.verify_buckets) if w < top), top)
         if len(widths) == 1:
             return finish(widths[0])
         need = jnp.max(jnp.where(s.done, 2, prop.verify_width))
