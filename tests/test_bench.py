@@ -130,6 +130,24 @@ def test_call_cost_measures_each_sampling_against_greedy(tmp_path):
     assert all(b["rounds"] >= 1 and b["tokens"] <= b["size"] for c in payload["cells"] for b in c["bursts"])
 
 
+def test_verify_cap_cuts_acceptance_to_the_cap_losslessly_at_every_cap(tmp_path):
+    import verify_cap
+
+    payload = verify_cap.main(["--tiny", "--batches", "2", "--caps", "2", "4", "99", "--reps", "1",
+                               "--out", str(tmp_path)])
+    assert (tmp_path / "verify_cap_tiny.json").is_file()
+    nd = payload["drafter"]["n_drafts"]
+    assert payload["caps"] == [2, 4, nd + 1], "caps past the block are the full block"
+    assert payload["lossless"] and payload["no_recompile"]
+    (cell,) = payload["cells"]
+    for run in cell["runs"]:
+        hist = run["accept_hist"]
+        assert sum(hist[run["verify_cap"]:]) == 0, f"cap {run['verify_cap']} accepted more drafts: {hist}"
+    taus = [r["tau_measured"] for r in cell["runs"]]
+    assert taus == sorted(taus) and taus[0] < taus[-1], f"a lower cap must accept less: {taus}"
+    assert cell["best_cap"] in payload["caps"] and cell["full_block_speedup"] == cell["runs"][-1]["speedup"]
+
+
 def test_prefill_counts_the_weights_and_the_causal_attention(tmp_path):
     import prefill
 
