@@ -32,9 +32,11 @@ model's, bf16 or float32) and multiply on the tensor cores; the GEMV keeps it in
   tile each meet their own half of x and nothing is interleaved in registers. More rows than `MAX_ROWS`
   (prefill) are a compute-bound GEMM and take the reference, as do weights whose N has no power-of-two factor
   of 16.
-- `impl="auto"`, the GPU default: the form measured fastest on the H200 (`choose`). One int8 row through a large
-  weight (`REDUCE_MIN_ELEMENTS`) takes `sum(x[:, None] * q, 0) * s`, which XLA fuses into one column reduction
-  over the int8 values; everything else takes the kernel.
+- `impl="auto"`, the GPU default: the form measured fastest on the H200 (`choose`). One int8 row through the LM
+  head (`REDUCE_MIN_ELEMENTS`) takes `sum(x[:, None] * q, 0) * s`, which XLA fuses into one column reduction over
+  the int8 values; one int8 row through a layer's weight takes the product kernel, the row padded to its 16
+  (so a decode step's row and the same row inside a 16-row verify get the same sums); everything else takes the
+  kernel as above.
 """
 from __future__ import annotations
 
@@ -56,15 +58,17 @@ PACKED_DTYPES = {"int8": ("int8", "float32"), "q8_0": ("int8", "float16"), "q4_0
 """(values, scales) dtypes of each format."""
 
 # The impl a quantised product uses on a GPU. bench/quant_probe.py on the H200 (bench/results/quant_probe.json,
-# common.per_call_us) timed every form at 1 and 16 rows on each weight shape of Qwen3-8B. For q8_0 the kernel took
-# a quarter to a half of the reference's time everywhere. For int8 the kernel and the reference were within 10% on
-# wqkv and w_down at 16 rows, and the kernel was faster on wo, w_gate_up and the LM head (194.9 us against 227.2).
-# At one row the column reduction beat both on the three large weights (w_down 35.4 us against the kernel's 53.3,
-# w_gate_up 53.9 against 68.6, the LM head 193.7 against 348.2) and lost on the two small ones.
+# common.per_call_us) timed every form at 1 and 16 rows on each weight shape of Qwen3-8B: for q8_0 the kernel took a
+# quarter to a half of the reference's time everywhere, and one int8 row through the LM head took the column
+# reduction fastest (193.7 us against the GEMV's 348.2). Inside the int8 target's decode step (CUPTI kernel times,
+# bench/results/profile_round_int8.json) the 16-row product kernel of its verify took, per layer, 14.6 / 9.5 / 39.2 /
+# 21.6 us on wqkv / wo / w_gate_up / w_down where the one-row forms took 14.7 / 11.6 (GEMV) and 42.8 / 26.3 (column
+# reduction): one row takes the product kernel through a layer's weights.
 GPU_DEFAULT_IMPL = "auto"
-REDUCE_MIN_ELEMENTS = 1 << 25
-"""The weight size (K x N) from which one int8 row takes the column reduction: w_down (50M elements) and larger
-gained by it, wqkv (25M) and wo (17M) lost (36.9 us against the kernel's 24.3; 47.9 against 26.9)."""
+REDUCE_MIN_ELEMENTS = 1 << 28
+"""The weight size (K x N) from which one int8 row takes the column reduction: the LM head (622M elements, 177.7 us
+in the step against the product kernel's 215 at 16 rows, whose column tile its vocabulary's factor 32 caps), not a
+layer's weights (w_gate_up, 101M, is the largest)."""
 
 MAX_ROWS = 64  # the most rows the kernels take; more run the reference
 
@@ -129,14 +133,18 @@ def quant_matmul(x, data, scales, fmt: str, *, out_dtype=None, compute_dtype=Non
         return _column_reduction(x.astype(compute), data, scales, out)
     if impl == "xla" or rows > MAX_ROWS or not kernel_fits(k, n):
         return _reference(x, data, scales, fmt, compute, out)
-    kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute), interpret)
+    gemv = impl != "dot" and rows == 1
+    kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute, gemv=gemv), interpret)
     y = kernel(x.reshape(rows, k), data, scales)
     return y.reshape(*x.shape[:-1], n).astype(out)
 
 
 def choose(fmt: str, rows: int, k: int, n: int) -> str:
-    """`impl="auto"`'s form (module docstring): "reduce" or "pallas"."""
-    return "reduce" if fmt == "int8" and rows == 1 and k * n >= REDUCE_MIN_ELEMENTS else "pallas"
+    """`impl="auto"`'s form (module docstring): "reduce" (the column reduction), "dot" (one row through the product
+    kernel) or "pallas" (the kernel for the row count)."""
+    if fmt != "int8" or rows != 1:
+        return "pallas"
+    return "reduce" if k * n >= REDUCE_MIN_ELEMENTS else "dot"
 
 
 def kernel_fits(k: int, n: int) -> bool:
@@ -275,8 +283,9 @@ def fit_stages(bm: int, bn: int, bk: int, x_itemsize: int, fmt: str, num_stages:
 
 
 def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles: Tiles | None = None,
-                   k_splits: int | None = None):
-    """Pick the GEMV (one row) or the product kernel, split K until the grid is full, run it, sum the splits.
+                   k_splits: int | None = None, gemv: bool | None = None):
+    """Pick the GEMV (one row, unless `gemv` is False) or the product kernel, split K until the grid is full, run
+    it, sum the splits.
 
     Tiles (`tiles`, default `GEMV_TILES` or `DOT_TILES`): rows `bm` = the next power of two >= M (16 at least,
     `MAX_ROWS` at most; 1 for the GEMV); columns the largest power of two <= block_n dividing N; K the largest
@@ -284,7 +293,7 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
     a row's result does not depend on how many rows came with it beyond which kernel runs."""
     m, k = x.shape
     n = data.shape[1]
-    gemv = m == 1
+    gemv = m == 1 if gemv is None else gemv and m == 1
     tiles = tiles or (GEMV_TILES if gemv else DOT_TILES)
     bm = 1 if gemv else min(MAX_ROWS, max(16, pl.next_power_of_2(m)))
     bn = min(n & -n, tiles.block_n)

@@ -287,11 +287,14 @@ def test_kernel_lowers_to_triton_for_cuda():
 
 
 def test_auto_takes_the_measured_form_and_its_column_reduction_equals_the_reference(monkeypatch):
-    """`impl="auto"` (the GPU default): one row through a large int8 weight takes XLA's column reduction, the rest
-    the kernel; each form gives the reference's result."""
+    """`impl="auto"` (the GPU default): one row through an int8 LM head takes XLA's column reduction, one row through
+    a layer's int8 weight the product kernel, the rest the kernel for their rows; each form gives the reference's
+    result."""
     big = qmm.REDUCE_MIN_ELEMENTS
+    assert qmm.choose("int8", 1, 4096, 151936) == "reduce", "Qwen3's LM head"
     assert qmm.choose("int8", 1, 4096, big // 4096) == "reduce"
-    assert qmm.choose("int8", 1, 4096, big // 4096 - 16) == qmm.choose("int8", 2, 4096, big // 4096) == "pallas"
+    assert qmm.choose("int8", 1, 4096, big // 4096 - 16) == qmm.choose("int8", 1, 4096, 24576) == "dot"
+    assert qmm.choose("int8", 2, 4096, big // 4096) == "pallas"
     assert {qmm.choose(f, m, 4096, big // 4096) for f in ("q8_0", "q4_0") for m in (1, 16)} == {"pallas"}
     rng = np.random.RandomState(7)
     data, scales = _random_packed(rng, 256, 96, "int8")
@@ -576,3 +579,19 @@ def test_training_a_quantised_drafter_is_refused_naming_the_way_out():
     with pytest.raises(ValueError, match=r"quantised weights .* cannot be trained: .* precision='bf16'"):
         train.train_drafter(target, np.arange(64) % target.config.vocab_size, drafter.config, drafter.params, tc,
                             progress=False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_int8_row_through_auto_gets_the_sums_it_gets_inside_a_verify_block(dtype):
+    """`impl="auto"` sends one row through a layer's int8 weight to the 16-row product kernel, padded: a decode
+    step's row then equals, bit for bit, the same row inside a 16-row verify (interpret mode)."""
+    rng = np.random.RandomState(3)
+    data, scales = _random_packed(rng, 256, 96, "int8")
+    assert qmm.choose("int8", 1, 256, 96) == "dot"
+    block = jnp.asarray(rng.randn(16, 256), dtype)
+    one = qmm.quant_matmul(block[3:4], data, scales, "int8", impl="auto", interpret=True)
+    inside = qmm.quant_matmul(block, data, scales, "int8", impl="pallas", interpret=True)
+    assert np.array_equal(np.asarray(one, np.float32), np.asarray(inside[3:4], np.float32))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(qmm.quant_matmul(block[3:4], data, scales,
+                               "int8"), np.float32), rtol=tol, atol=tol)
