@@ -296,7 +296,7 @@ def cell_shape(target: Target, drafter: Drafter, batch: int, prompt: int, new: i
     """`(loop, capacity)` exactly as a `Session` on `batch` prompts of `prompt` tokens makes them."""
     p = pack_prompts(np.zeros((1, prompt), np.int32), target.config.vocab_size)
     cap = check_capacity(p, new, target.config.max_position_embeddings, drafter.config.n_drafts + 1, None)
-    return spec.Loop(new, p.chunk, True, "argmax", impl, drafter.n_drafts + 1), cap
+    return spec.Loop(new, p.chunk, True, "argmax", impl, policy.verify_cap(None, drafter.n_drafts, batch)), cap
 
 
 def open_cell(target: Target, drafter: Drafter, batch: int, prompt: int, new: int, impl: str, context: str,

@@ -54,8 +54,17 @@ def resolve_choice(
     return resolution(name, kwarg, census_default, choices, env)[0]
 
 
-def verify_cap(kwarg: Optional[int], n_drafts: int, env: Optional[Mapping[str, str]] = os.environ) -> int:
-    """Largest verify width vt (anchor + drafts checked): keyword > DFLASH_VERIFY_T > n_drafts + 1.
+VERIFY_CAP_BY_BATCH = ((64, 8),)
+"""The default verify cap from a batch size up, `(batch, cap)` by batch: below the first, every draft (nd + 1).
+On the H200 (Qwen3-8B shape, z-lab drafter shape, prompt 512) a batch of 64 x 16 verify rows is compute-bound:
+an 8-row block cut the round from 39.9 to 23.2 ms (bench/results/verify_width.json), at 16 rows only from 11.9 to
+10.8 ms, too little to pay for the drafts it stops examining (bench/verify_cap.py measures the speedup per cap)."""
+
+
+def verify_cap(kwarg: Optional[int], n_drafts: int, batch: int = 1,
+               env: Optional[Mapping[str, str]] = os.environ) -> int:
+    """Largest verify width vt (anchor + drafts checked): keyword > DFLASH_VERIFY_T > the measured default for
+    the batch size (`VERIFY_CAP_BY_BATCH`, at most n_drafts + 1). It never changes the output.
 
     Valid caps are 2..n_drafts+1 (at least one draft checked, at most all of them).
     """
@@ -65,7 +74,7 @@ def verify_cap(kwarg: Optional[int], n_drafts: int, env: Optional[Mapping[str, s
     else:
         raw, source = env.get(env_name("verify_t")), env_name("verify_t")
     if raw is None or raw == "":
-        return n_drafts + 1
+        return min([n_drafts + 1] + [cap for at, cap in VERIFY_CAP_BY_BATCH if batch >= at])
     if isinstance(raw, str):
         cap = int(raw) if raw.strip().isdigit() else None
     else:

@@ -58,7 +58,8 @@ class Session:
     `max_new_tokens` need; a prompt that does not fit is refused naming both numbers, and so are
     caches that do not fit the free memory (before they are allocated).
     `inject` replaces the drafter's proposals (see `speculative.Injected`; tests, benchmarks).
-    `verify_t` caps the anchor plus drafts examined per round (keyword > DFLASH_VERIFY_T > nd + 1).
+    `verify_t` caps the anchor plus drafts examined per round, and the verify block (keyword >
+    DFLASH_VERIFY_T > `policy.VERIFY_CAP_BY_BATCH`'s measured default: nd + 1 below batch 64, 8 from it).
     `verify_buckets` are static block widths a round may verify instead of the full block
     (keyword > DFLASH_VERIFY_BUCKETS > `policy.verify_buckets`'s measured default; see `speculative.Loop`).
     Threads may share a session: its calls take turns. Target logits that are not finite raise
@@ -90,7 +91,7 @@ class Session:
         if verify_buckets is not None and not isinstance(verify_buckets, str):
             verify_buckets = integers("verify_buckets", verify_buckets, 2, nd + 1, "width", f"2..{nd}").tolist()
         self.loop = spec.Loop(int(max_new_tokens), p.chunk, all_greedy, rows[0].proposal, impl,
-                              policy.verify_cap(verify_t, nd),
+                              policy.verify_cap(verify_t, nd, p.batch),
                               policy.verify_buckets(verify_buckets, nd, p.batch, drafter.varies_width))
         self.target, self.drafter = target, drafter
         self.stop_tokens = stop_array(stop_tokens, target.config.vocab_size)
