@@ -262,13 +262,12 @@ def test_same_seed_gives_the_same_tokens_and_another_seed_different_ones(proposa
 # --- teeth: a wrong rule fails the same check ----------------------------------------------
 
 
-def _fresh_run():
-    """A new jit of the loop, so the patched rule is traced (`speculative.run` keeps its own cache)."""
-
-    def run(loop, target, drafter, state, stop_tokens):
-        return loop.run(target, drafter, state, stop_tokens)
-
-    return jax.jit(run, static_argnums=0)
+def _fresh_loops(monkeypatch):
+    """New jits of the loop's entry points, each over a new function, so the patched rule is traced (jit caches
+    traces by function: a new jit of the same function would reuse an earlier test's)."""
+    for name in ("run", "run_burst"):
+        fn = getattr(spec, name).__wrapped__
+        monkeypatch.setattr(spec, name, jax.jit(lambda *args, fn=fn: fn(*args), static_argnums=0))
 
 
 @pytest.mark.parametrize("rule, wrong, proposal, family", [
@@ -285,7 +284,7 @@ def test_teeth_a_wrong_rule_fails_the_check(monkeypatch, rule, wrong, proposal, 
         return wrong(*args)
 
     monkeypatch.setattr(smp, rule, patched)
-    monkeypatch.setattr(spec, "run", _fresh_run())
+    _fresh_loops(monkeypatch)
     tokens, _ = speculative_batch(dataclasses.replace(SAMPLINGS["t1"], seed=SPEC_SEEDS[0], proposal=proposal), family)
     assert traced, f"the patched {rule} was never traced: the teeth run used the real rule"
     found = distances(tokens, exact_joint(SAMPLINGS["t1"]))
