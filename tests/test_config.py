@@ -440,8 +440,8 @@ def test_clamp_vt_fixes_the_original_panic_below_three():
 
 def test_verify_cap_resolution_and_refusals():
     assert policy.verify_cap(None, 15, env={}) == 16, "default: every draft (nd + 1)"
-    assert [policy.verify_cap(None, 15, b, env={}) for b in (1, 16, 63, 64, 256)] == [16, 16, 16, 8, 8], \
-        "the measured default: a cap of 8 from batch 64"
+    assert [policy.verify_cap(None, 15, b, env={}) for b in (1, 16, 63, 64, 256)] == [16, 16, 16, 6, 6], \
+        "the measured default: a cap of 6 from batch 64"
     assert policy.verify_cap(None, 3, 64, env={}) == 4, "never past the block"
     assert policy.verify_cap(None, 15, 64, env={"DFLASH_VERIFY_T": "16"}) == 16, "a setting beats the default"
     assert policy.verify_cap(None, 15, env={"DFLASH_VERIFY_T": "8"}) == 8

@@ -54,11 +54,12 @@ def resolve_choice(
     return resolution(name, kwarg, census_default, choices, env)[0]
 
 
-VERIFY_CAP_BY_BATCH = ((64, 8),)
+VERIFY_CAP_BY_BATCH = ((64, 6),)
 """The default verify cap from a batch size up, `(batch, cap)` by batch: below the first, every draft (nd + 1).
-On the H200 (Qwen3-8B shape, z-lab drafter shape, prompt 512) a batch of 64 x 16 verify rows is compute-bound:
-an 8-row block cut the round from 39.9 to 23.2 ms (bench/results/verify_width.json), at 16 rows only from 11.9 to
-10.8 ms, too little to pay for the drafts it stops examining (bench/verify_cap.py measures the speedup per cap)."""
+On the H200 (Qwen3-8B shape, z-lab drafter shape, prompt 512, injected geometric acceptance 6.5) a batch of
+64 x 16 verify rows is compute-bound: caps 6, 8 and 16 gave rounds of 18.0, 20.4 and 32.2 ms and speedups of
+1.26x, 1.20x and 0.83x over plain decoding (bench/results/verify_cap.json). At batch 16 an 8-row block cut the
+round only from 11.9 to 10.8 ms (verify_width.json), too little to pay for the drafts it stops examining."""
 
 
 def verify_cap(kwarg: Optional[int], n_drafts: int, batch: int = 1,

@@ -59,7 +59,7 @@ class Session:
     caches that do not fit the free memory (before they are allocated).
     `inject` replaces the drafter's proposals (see `speculative.Injected`; tests, benchmarks).
     `verify_t` caps the anchor plus drafts examined per round, and the verify block (keyword >
-    DFLASH_VERIFY_T > `policy.VERIFY_CAP_BY_BATCH`'s measured default: nd + 1 below batch 64, 8 from it).
+    DFLASH_VERIFY_T > `policy.VERIFY_CAP_BY_BATCH`'s measured default: nd + 1 below batch 64, 6 from it).
     `verify_buckets` are static block widths a round may verify instead of the full block
     (keyword > DFLASH_VERIFY_BUCKETS > `policy.verify_buckets`'s measured default; see `speculative.Loop`).
     Threads may share a session: its calls take turns. Target logits that are not finite raise
