@@ -270,8 +270,8 @@ committed."""
 
 
 def report(s: SpecState) -> jax.Array:
-    """What a session reads after a call, as one int32 array `[B, out width + 7 + nd + 1]`, so the host fetches it in
-    one transfer: on the H200 nine small device-to-host copies cost a burst about 2 ms."""
+    """What a session reads after a call, as one int32 array `[B, out width + 7 + nd + 1]`: the host fetches it in
+    one transfer instead of nine."""
     st = s.stats
     counters = (s.n_out, s.done, s.nonfinite, st.rounds, st.drafted, st.accepted, st.committed)
     return jnp.concatenate([s.out, jnp.stack([c.astype(jnp.int32) for c in counters], 1), st.accept_hist], 1
