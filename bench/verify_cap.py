@@ -46,7 +46,8 @@ def main(argv=None) -> dict:
     impl = policy.attention_impl(args.impl)
     counter = acc.CompileCounter()
     cells = []
-    payload = common.environment(**vars(args)) | acc.describe(target, drafter, args.tiny) | {"caps": caps, "cells": cells}
+    payload = common.environment(**vars(args)) | acc.describe(target, drafter, args.tiny) | {"caps": caps,
+                                                                                              "cells": cells}
     for batch in args.batches:
         cell = acc.open_cell(target, drafter, batch, prompt, new, impl, "synthetic")
         plain_tokens, _, _ = cell.run_plain()
@@ -57,7 +58,8 @@ def main(argv=None) -> dict:
             cell.run_spec(cell.injected(reference, acc.first_wrong_probs(args.tau, nd, args.dist)))  # compiles
             mark = counter.mark()
             rec, reference = acc.measure_tau(cell, args.tau, args.dist, args.reps, 3, reference, plain_tokens)
-            rec = acc.with_plain(rec, plain, None) | {"verify_cap": cap, "no_recompile": counter.since(mark)["count"] == 0}
+            rec = acc.with_plain(rec, plain, None) | {"verify_cap": cap,
+                                                      "no_recompile": counter.since(mark)["count"] == 0}
             runs.append(rec)
             print(f"b={batch} cap {cap:2d}: tau {rec['tau_measured']:.2f}, {rec['tokens_per_s']:.1f} tok/s, speedup "
                   f"{rec['speedup']:.2f}x, round / plain step {rec['round_over_plain_step']:.2f}, lossless "

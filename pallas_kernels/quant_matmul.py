@@ -133,8 +133,8 @@ def quant_matmul(x, data, scales, fmt: str, *, out_dtype=None, compute_dtype=Non
         return _column_reduction(x.astype(compute), data, scales, out)
     if impl == "xla" or rows > MAX_ROWS or not kernel_fits(k, n):
         return _reference(x, data, scales, fmt, compute, out)
-    gemv = impl != "dot" and rows == 1
-    kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute, gemv=gemv), interpret)
+    kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute, gemv=impl != "dot"),
+                           interpret)
     y = kernel(x.reshape(rows, k), data, scales)
     return y.reshape(*x.shape[:-1], n).astype(out)
 
@@ -283,7 +283,7 @@ def fit_stages(bm: int, bn: int, bk: int, x_itemsize: int, fmt: str, num_stages:
 
 
 def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles: Tiles | None = None,
-                   k_splits: int | None = None, gemv: bool | None = None):
+                   k_splits: int | None = None, gemv: bool = True):
     """Pick the GEMV (one row, unless `gemv` is False) or the product kernel, split K until the grid is full, run
     it, sum the splits.
 
@@ -293,7 +293,7 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
     a row's result does not depend on how many rows came with it beyond which kernel runs."""
     m, k = x.shape
     n = data.shape[1]
-    gemv = m == 1 if gemv is None else gemv and m == 1
+    gemv = gemv and m == 1
     tiles = tiles or (GEMV_TILES if gemv else DOT_TILES)
     bm = 1 if gemv else min(MAX_ROWS, max(16, pl.next_power_of_2(m)))
     bn = min(n & -n, tiles.block_n)

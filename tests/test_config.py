@@ -444,6 +444,10 @@ def test_verify_cap_resolution_and_refusals():
         "the measured default: a cap of 6 from batch 64"
     assert policy.verify_cap(None, 3, 64, env={}) == 4, "never past the block"
     assert policy.verify_cap(None, 15, 64, env={"DFLASH_VERIFY_T": "16"}) == 16, "a setting beats the default"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(policy, "VERIFY_CAP_BY_BATCH", ((32, 4), (64, 8)))
+        assert [policy.verify_cap(None, 15, b, env={}) for b in (31, 32, 64)] == [16, 4, 8], \
+            "a batch takes the cap of the last entry it reaches"
     assert policy.verify_cap(None, 15, env={"DFLASH_VERIFY_T": "8"}) == 8
     assert policy.verify_cap(4, 15, env={"DFLASH_VERIFY_T": "8"}) == 4, "keyword beats environment"
     for bad in ("1", "17", "eight"):

@@ -55,7 +55,8 @@ def resolve_choice(
 
 
 VERIFY_CAP_BY_BATCH = ((64, 6),)
-"""The default verify cap from a batch size up, `(batch, cap)` by batch: below the first, every draft (nd + 1).
+"""The default verify cap from a batch size up, `(batch, cap)` by rising batch: a batch takes the cap of the last
+entry it reaches; below the first, every draft (nd + 1).
 On the H200 (Qwen3-8B shape, z-lab drafter shape, prompt 512, injected geometric acceptance 6.5) a batch of
 64 x 16 verify rows is compute-bound: caps 6, 8 and 16 gave rounds of 18.0, 20.4 and 32.2 ms and speedups of
 1.26x, 1.20x and 0.83x over plain decoding (bench/results/verify_cap.json). At batch 16 an 8-row block cut the
@@ -75,7 +76,7 @@ def verify_cap(kwarg: Optional[int], n_drafts: int, batch: int = 1,
     else:
         raw, source = env.get(env_name("verify_t")), env_name("verify_t")
     if raw is None or raw == "":
-        return min([n_drafts + 1] + [cap for at, cap in VERIFY_CAP_BY_BATCH if batch >= at])
+        return min([n_drafts + 1] + [cap for at, cap in VERIFY_CAP_BY_BATCH if batch >= at][-1:])
     if isinstance(raw, str):
         cap = int(raw) if raw.strip().isdigit() else None
     else:

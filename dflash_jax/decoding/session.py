@@ -98,13 +98,13 @@ class Session:
         check_memory(target, drafter, p.batch, cap)
         t0 = time.perf_counter()
         with sharding.mesh_context(self._mesh):
-            self.state = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
-                                    sharding.place_state(target, target.init_state(p.batch, cap)),
-                                    sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
-                                    smp.row_params(rows, p.batch), self.stop_tokens, inject)
+            self.state, packed = spec.start(self.loop, target, drafter, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
+                                            sharding.place_state(target, target.init_state(p.batch, cap)),
+                                            sharding.place_state(drafter, drafter.init_state(p.batch, cap)),
+                                            smp.row_params(rows, p.batch), self.stop_tokens, inject)
         self._lengths = p.lengths
         self._lock = threading.Lock()
-        self._read(spec.report_jit(self.state))
+        self._read(packed)
         self._n_seen = np.zeros(p.batch, np.int64)
         self.prefill_time_s = time.perf_counter() - t0
         self.decode_time_s = 0.0

@@ -253,17 +253,6 @@ def narrow(prop: Proposal, width: int) -> Proposal:
         prop.verify_width, width), logits=None if prop.logits is None else cut(prop.logits))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(5, 6))
-def start(loop: Loop, target, drafter, tokens, lengths, tstate, dstate, rp, stop_tokens, inject):
-    """Prefill and first token; the empty states are donated (no second copy of them)."""
-    return loop.start(target, drafter, tokens, lengths, tstate, dstate, rp, stop_tokens, inject)
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def run(loop: Loop, target, drafter, state: SpecState, stop_tokens):
-    return loop.run(target, drafter, state, stop_tokens)
-
-
 REPORT_COUNTERS = 7
 """Columns of `report` between `out` and `accept_hist`: n_out, done, nonfinite, rounds, drafted, accepted,
 committed."""
@@ -286,6 +275,18 @@ def read_report(packed: np.ndarray, out_width: int) -> tuple:
             SpecStats(rounds, drafted, accepted, committed, packed[:, out_width + REPORT_COUNTERS:]))
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(5, 6))
+def start(loop: Loop, target, drafter, tokens, lengths, tstate, dstate, rp, stop_tokens, inject):
+    """Prefill and first token, and the state's `report`; the empty states are donated (no second copy of them)."""
+    state = loop.start(target, drafter, tokens, lengths, tstate, dstate, rp, stop_tokens, inject)
+    return state, report(state)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def run(loop: Loop, target, drafter, state: SpecState, stop_tokens):
+    return loop.run(target, drafter, state, stop_tokens)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def run_burst(loop: Loop, target, drafter, state: SpecState, stop_tokens, limit):
     """`run` to a new `limit` and the resulting state's `report`: a session's burst is this one dispatch (the limit
@@ -293,5 +294,3 @@ def run_burst(loop: Loop, target, drafter, state: SpecState, stop_tokens, limit)
     state = loop.run(target, drafter, state.replace(limit=limit), stop_tokens)
     return state, report(state)
 
-
-report_jit = jax.jit(report)
