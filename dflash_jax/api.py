@@ -88,7 +88,7 @@ def generate(target: Target, drafter: Optional[Drafter], prompts, *, max_new_tok
     sampling: one `Sampling` for all rows or one per row (temperature 0 is greedy; None is the
     default `Sampling()`). capacity: cache positions per row (default: what the run needs);
     caches that do not fit the free memory are refused before allocation. verify_t caps the drafts
-    examined per round (default: all of them below batch 64, 5 from it: `policy.VERIFY_CAP_BY_BATCH`),
+    examined per round (default: all of them below batch 64, 5 from it, a cap of 6: `policy.VERIFY_CAP_BY_BATCH`),
     and verify_buckets lists smaller static blocks a round may verify instead of the full one
     (speculative only). prefill_chunk: prompt positions per prefill step (keyword >
     DFLASH_PREFILL_CHUNK > `policy.prefill_chunk`'s default); tokens do not depend on it. Integers and numbers may be Python or numpy scalars.
