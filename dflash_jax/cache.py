@@ -5,10 +5,11 @@ overwritten later, so nothing is ever copied back (docs/architecture.md, "State 
 """
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from pallas_kernels.windowed_attention import write_rows  # noqa: F401  (the targets' and drafter's cache write)
 
 
 @struct.dataclass
@@ -36,16 +37,3 @@ def init_kv(batch: int, capacity: int, num_layers: int, num_kv_heads: int, head_
                    seq_len=jnp.zeros((batch,), jnp.int32))
 
 
-def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write `new [B, W, ...]` into `buf [B, S, ...]` at rows `start[b] + i`; rows past S are dropped.
-
-    One in-place scatter kernel per write on the GPU, where a vmapped `dynamic_update_slice`
-    took two (a read of the old rows, then a masked update) and shifted a block that overhangs
-    the end instead of dropping its tail. (With one row per batch row, as in plain decoding,
-    XLA still rewrites the scatter into that pair.)
-    """
-    chex.assert_equal(buf.shape[0], new.shape[0])
-    b, w = new.shape[:2]
-    rows = start.astype(jnp.int32)[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
-    batch = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, w))
-    return buf.at[batch, rows].set(new.astype(buf.dtype), mode="drop", unique_indices=True)

@@ -13,6 +13,9 @@ grid is (batch, kv head, query tile, context split); each program runs an online
 float32 over its share of the live context tiles, and the last split also attends to the block
 keys. Splits (flash-decoding) keep the GPU busy when batch x kv heads is small; their partial
 results are merged in jnp.
+
+`block_attention_into_cache` is a target's causal attention and its cache write in one: the kernel also writes
+the block's K/V into the caches it aliases, in place of two scatter kernels after it.
 """
 from __future__ import annotations
 
@@ -43,6 +46,12 @@ SMEM_BYTES = 232_448
 # tiles) must fit SMEM_BYTES, and its float32 accumulator must stay as small as the 64 x 256 that the
 # head-128/256 sweep ran with.
 ACC_ELEMENTS = 64 * 256
+
+WRITE_IN_KERNEL = False
+"""Whether `block_attention_into_cache` with `impl="pallas"` writes the block's K/V from inside the attention
+kernel (two kernels a layer fewer) or by `write_rows` after it. Off until the H200 measures it against the
+scatters in a plain step, a verify and a round (`bench/profile_round.py --write-in-kernel`): the aliased caches
+must stay in place inside the decode loop, or XLA copies them."""
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked tiles never make NaN
 
@@ -119,6 +128,53 @@ def block_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale: float, cau
     heads = (0, 2)  # [B, ., heads, hd]: query heads with their KV heads, split alike
     return per_device(run, (q, k_ctx, v_ctx, ctx_len, k_blk, v_blk), (heads, heads, heads, (0, None), heads, heads),
                       (heads,))
+
+
+def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write `new [B, W, ...]` into `buf [B, S, ...]` at rows `start[b] + i`; rows past S are dropped.
+
+    One in-place scatter kernel per write on the GPU, where a vmapped `dynamic_update_slice`
+    took two (a read of the old rows, then a masked update) and shifted a block that overhangs
+    the end instead of dropping its tail. (With one row per batch row, as in plain decoding,
+    XLA still rewrites the scatter into that pair.)
+    """
+    b, w = new.shape[:2]
+    if buf.shape[0] != b:
+        raise ValueError(f"write_rows: the buffer holds {buf.shape[0]} rows and the block {b}.")
+    rows = start.astype(jnp.int32)[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+    batch = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, w))
+    return buf.at[batch, rows].set(new.astype(buf.dtype), mode="drop", unique_indices=True)
+
+
+def writes_in_kernel(k_cache, impl: str) -> bool:
+    """Whether `block_attention_into_cache` writes from inside the kernel: `WRITE_IN_KERNEL`, the Pallas kernel,
+    and a cache the kernel's tiles take as it is (capacity >= BLOCK_K, head_dim a power of two >= 16), since a
+    padded copy of the cache could not be written in place."""
+    s, hd = k_cache.shape[1], k_cache.shape[3]
+    return WRITE_IN_KERNEL and impl == "pallas" and s >= BLOCK_K and hd >= 16 and hd == pl.next_power_of_2(hd)
+
+
+def block_attention_into_cache(q, k_cache, v_cache, ctx_len, k_blk, v_blk, *, scale: float, impl: str = "xla",
+                               interpret: bool | None = None):
+    """A target's causal `block_attention` of the block over the cache, and the caches with the block's K/V
+    written at rows `ctx_len[b] + i` (rows past the capacity dropped): `(out, k_cache, v_cache)`.
+
+    Where `writes_in_kernel`, the attention kernel writes the rows into the caches, which it aliases (the
+    program of query tile 0 and split 0 of each batch row and kv head, after its attention); its reads of the
+    cache stop below `ctx_len`, so no program reads a row being written. Elsewhere: the attention, then
+    `write_rows`. The two give the same values.
+    """
+    ctx_len = jnp.asarray(ctx_len)
+    if not writes_in_kernel(k_cache, impl):
+        out = block_attention(q, k_cache, v_cache, ctx_len, k_blk, v_blk, scale=scale, causal=True, impl=impl,
+                              interpret=interpret)
+        return out, write_rows(k_cache, k_blk, ctx_len), write_rows(v_cache, v_blk, ctx_len)
+    _check_inputs(q, k_cache, v_cache, ctx_len, k_blk, v_blk, None, impl)
+    run = where_lowered(functools.partial(_pallas_attention, scale=float(scale), causal=True, window=None,
+                                          write=True), interpret)
+    heads = (0, 2)
+    return per_device(run, (q, k_cache, v_cache, ctx_len.astype(jnp.int32), k_blk, v_blk),
+                      (heads, heads, heads, (0, None), heads, heads), (heads, heads, heads))
 
 
 def _check_inputs(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, window, impl) -> None:
@@ -212,9 +268,10 @@ def _attend_tile(carry, q, k, v, visible, scale):
     return alpha[:, None] * o + pv, m_new, alpha * l + p.sum(axis=1)
 
 
-def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, lse_ref, *, scale, causal, window,
+def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, lse_ref, *written, scale, causal, window,
             group, width, block_k, block_b, n_splits):
-    """One (batch row, kv head, query tile, context split): live context tiles, then block keys."""
+    """One (batch row, kv head, query tile, context split): live context tiles, then block keys; with
+    `written` (the aliased K and V caches), the first program of a (batch row, kv head) then writes the block."""
     rows, _ = q_ref.shape
     capacity = kc_ref.shape[0]
     ctx_len = len_ref[()]
@@ -257,6 +314,27 @@ def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, lse_ref, *, s
     o, m, l = lax.fori_loop(b_first, b_end, block_tile, carry)
     o_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
+    if written:
+        _write_block(written, kb_ref, vb_ref, ctx_len, width, capacity,
+                     (pl.program_id(2) == 0) & (split == 0))
+
+
+def _write_block(written, kb_ref, vb_ref, ctx_len, width: int, capacity: int, writer) -> None:
+    """Block rows `i < width` into the aliased caches at `ctx_len + i`, one row at a time (a row past the capacity
+    is dropped), by the one program that `writer` marks."""
+    kc_out, vc_out = written
+
+    @pl.when(writer)
+    def _():
+        def row(i, carry):
+            @pl.when(ctx_len + i < capacity)
+            def _():
+                kc_out[pl.ds(ctx_len + i, 1), :] = kb_ref[pl.ds(i, 1), :]
+                vc_out[pl.ds(ctx_len + i, 1), :] = vb_ref[pl.ds(i, 1), :]
+
+            return carry
+
+        lax.fori_loop(0, width, row, 0)
 
 
 def _pad_axis(x, axis: int, size: int):
@@ -294,8 +372,10 @@ def _kv_spec(length: int, hd: int) -> pl.BlockSpec:
 
 def _pallas_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale, causal, window, interpret,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K, kv_splits: int | None = None,
-                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
-    """Pack queries per kv head, pad to Triton-friendly tiles, run the kernel, merge the splits."""
+                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, write: bool = False):
+    """Pack queries per kv head, pad to Triton-friendly tiles, run the kernel, merge the splits. With `write`
+    (`writes_in_kernel` holds: the cache is not padded) the kernel also writes the block into the caches, which
+    it aliases, and returns them after the output."""
     b, w, nh, hd = q.shape
     s, nkv = k_ctx.shape[1], k_ctx.shape[2]
     group = nh // nkv
@@ -318,7 +398,8 @@ def _pallas_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale, causal, 
     out_dtype = q.dtype if n_splits == 1 else jnp.float32
     kernel = functools.partial(_kernel, scale=scale, causal=causal, window=window, group=group, width=w,
                                block_k=block_k, block_b=block_b, n_splits=n_splits)
-    o, lse = pl.pallas_call(
+    caches = [k_ctx, v_ctx] if write else []
+    o, lse, *caches = pl.pallas_call(
         kernel,
         grid=(b, nkv, q_tiles, n_splits),
         in_specs=[
@@ -330,11 +411,14 @@ def _pallas_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale, causal, 
         out_specs=[
             pl.BlockSpec((None, None, None, rows, hd_p), lambda i, h, t, p: (i, h, p, t, 0)),
             pl.BlockSpec((None, None, None, rows), lambda i, h, t, p: (i, h, p, t)),
+            *(_kv_spec(x.shape[1], hd_p) for x in caches),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, nkv, n_splits, packed_rows, hd_p), out_dtype),
             jax.ShapeDtypeStruct((b, nkv, n_splits, packed_rows), jnp.float32),
+            *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches),
         ],
+        input_output_aliases={2: 2, 3: 3} if write else {},
         compiler_params=_triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="block_attention",
@@ -346,4 +430,5 @@ def _pallas_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale, causal, 
         weight = jnp.exp(lse - lse.max(axis=2, keepdims=True))
         o = (weight[..., None] * o).sum(axis=2) / weight.sum(axis=2)[..., None]
     o = o[:, :, : w * group, :hd].reshape(b, nkv, w, group, hd).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, w, nh, hd).astype(q.dtype)
+    o = o.reshape(b, w, nh, hd).astype(q.dtype)
+    return (o, *caches) if write else o

@@ -37,20 +37,20 @@ def random_params(shapes, seed: int, scale: float = 0.2):
     return jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 3, hidden: int = 32) -> Target:
+def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 3, hidden: int = 32, head_dim: int = 8) -> Target:
     cfg = TargetConfig(arch="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-6,
                        rope=RopeConfig(10000.0), max_position_embeddings=1024)
     return make_target(cfg, random_params(target_param_shapes(cfg), seed))
 
 
-def tiny_hybrid(seed: int = 0, vocab: int = 64, hidden: int = 32, experts: int = 0) -> Target:
+def tiny_hybrid(seed: int = 0, vocab: int = 64, hidden: int = 32, experts: int = 0, head_dim: int = 8) -> Target:
     """A Qwen3.5-style hybrid: a Gated DeltaNet layer, then a gated attention layer; with `experts`, the first
     layer's MLP is a mixture of that many experts (top 2) and a shared expert."""
     moe = dict(moe_layers=(True, False), num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=16,
                shared_expert_intermediate_size=16) if experts else dict(moe_layers=(False, False))
     cfg = HybridConfig(arch="qwen3_5", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(10000.0),
+                       num_heads=4, num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, rope=RopeConfig(10000.0),
                        max_position_embeddings=1024, layer_types=("linear_attention", "full_attention"),
                        rotary_dim=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                        linear_value_head_dim=8, **moe)

@@ -17,12 +17,14 @@ draws, so only its distribution stays the same (test_sampling_context.py checks 
 import functools
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dflash_jax
 from dflash_jax.sampling import Sampling
-from conftest import reference_filter, tiny_drafter
+from conftest import inject_reference, reference_filter, tiny_drafter, tiny_hybrid, tiny_target
 
 PROMPTS = [[5, 6, 7], list(range(12, 32)), [9, 1, 40, 2, 33, 8, 60], [3] * 11, [50, 51], list(range(1, 15))]
 ROWS = [Sampling(), Sampling(temperature=0.8, top_k=8, seed=1), Sampling(),
@@ -122,3 +124,35 @@ def test_pallas_session_bursts_equal_generate(runs, stops):
             row.extend(new)
     for i in GREEDY:
         assert got[i] == whole[i], f"greedy row {i}: pallas bursts differ from one pallas generate call"
+
+
+@pytest.mark.parametrize("make", [functools.partial(tiny_target, head_dim=16),
+                                  functools.partial(tiny_hybrid, head_dim=16)], ids=["dense", "hybrid"])
+def test_the_kernel_that_writes_the_cache_decodes_as_the_xla_path(monkeypatch, make):
+    """With `WRITE_IN_KERNEL`, every attention layer of the target writes its block's K/V from inside the kernel
+    (the scatter fallback is made to fail): plain and speculative greedy decoding, with injected proposals that
+    reach every acceptance length (so rejected rows get overwritten), give the XLA path's tokens."""
+    from pallas_kernels import windowed_attention as wa
+
+    target = make()
+    drafter = tiny_drafter(target, 4, tap_ids=(0, 1))
+    nd, capacity, new = drafter.config.n_drafts, 64, 16
+    prompts = PROMPTS[:3]
+    want = dflash_jax.generate(target, None, prompts, max_new_tokens=new, capacity=capacity).tokens
+    monkeypatch.setattr(wa, "WRITE_IN_KERNEL", True)
+
+    def no_scatter(*_):
+        raise AssertionError("the target's cache was written by write_rows, not by the kernel")
+
+    monkeypatch.setattr(wa, "write_rows", no_scatter)
+    jax.clear_caches()
+    assert wa.writes_in_kernel(jnp.zeros((len(prompts), capacity, 2, 16)), "pallas")
+    assert dflash_jax.generate(target, None, prompts, max_new_tokens=new, capacity=capacity,
+                               impl="pallas").tokens == want
+    assert dflash_jax.generate(target, drafter, prompts, max_new_tokens=new, capacity=capacity,
+                               impl="pallas").tokens == want
+    out = dflash_jax.Session(target, drafter, prompts, max_new_tokens=new, capacity=capacity, impl="pallas",
+                             inject=inject_reference(want, new, nd)).run()
+    assert out.tokens == want
+    assert all(out.stats.accept_hist[k] for k in range(nd + 1)), f"lengths seen: {out.stats.accept_hist}"
+    jax.clear_caches()

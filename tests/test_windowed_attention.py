@@ -213,3 +213,62 @@ def test_pallas_kernel_lowers_to_triton_for_cuda(w, window, causal):
     fn = jax.jit(functools.partial(block_attention, scale=0.1, causal=causal, window=window, impl="pallas"))
     text = fn.trace(q, cache, cache, lengths, block, block).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1, "the kernel did not lower to one Triton call"
+
+
+_jitted_into_cache = jax.jit(wa.block_attention_into_cache, static_argnames=("scale", "impl", "interpret"))
+
+# (batch, W, nh, nkv, hd, capacity S, ctx_len per row): the block at the start, the block's last row on the last
+# slot, a verify block overhanging the capacity (its tail dropped), one row a step, GQA 4
+INTO_CACHE = [
+    pytest.param(2, 1, 8, 2, 16, 64, [0, 63], id="decode-first-and-last-slot"),
+    pytest.param(2, 16, 8, 2, 16, 70, [5, 60], id="verify-overhangs-the-capacity"),
+    pytest.param(1, 5, 16, 4, 32, 200, [137], id="gqa4-odd-width"),
+    pytest.param(3, 4, 4, 4, 16, 64, [64, 0, 30], id="full-cache-writes-nothing"),
+]
+
+
+@pytest.mark.parametrize("b, w, nh, nkv, hd, s, ctx_len", INTO_CACHE)
+def test_the_kernel_writes_the_block_into_the_caches_it_aliases_as_the_scatter_does(monkeypatch, b, w, nh, nkv, hd,
+                                                                                   s, ctx_len):
+    q, kc, vc, kb, vb = random_inputs(9, b, w, nh, nkv, hd, s)
+    lengths = jnp.asarray(ctx_len, jnp.int32)
+    want = _jitted_into_cache(q, kc, vc, lengths, kb, vb, scale=0.25, impl="xla")
+    monkeypatch.setattr(wa, "WRITE_IN_KERNEL", True)
+    assert wa.writes_in_kernel(kc, "pallas") and not wa.writes_in_kernel(kc, "xla")
+    jaxpr = str(jax.make_jaxpr(functools.partial(wa.block_attention_into_cache, scale=0.25, impl="pallas",
+                                                 interpret=True))(q, kc, vc, lengths, kb, vb))
+    assert "scatter" not in jaxpr and "input_output_aliases=((2, 2), (3, 3))" in jaxpr, \
+        "the block must be written by the kernel into its aliased caches, not scattered after it"
+    got = jax.jit(functools.partial(wa.block_attention_into_cache, scale=0.25, impl="pallas", interpret=True))(
+        q, kc, vc, lengths, kb, vb)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5, rtol=1e-5,
+                               err_msg="the writing kernel's attention disagrees with the jnp reference")
+    for name, g, r in (("k", got[1], want[1]), ("v", got[2], want[2])):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r),
+                                      err_msg=f"the {name} cache the kernel wrote differs from write_rows'")
+
+
+@pytest.mark.parametrize("hd, s", [(16, 32), (24, 100)], ids=["capacity-below-a-key-tile", "hd-not-power-of-two"])
+def test_a_cache_the_kernel_would_pad_is_written_by_the_scatter(monkeypatch, hd, s):
+    """The kernel cannot write in place into a padded copy, so these caches take the attention, then write_rows."""
+    monkeypatch.setattr(wa, "WRITE_IN_KERNEL", True)
+    q, kc, vc, kb, vb = random_inputs(10, 2, 3, 4, 2, hd, s)
+    assert not wa.writes_in_kernel(kc, "pallas")
+    lengths = jnp.asarray([0, s - 1], jnp.int32)
+    out, k, v = _jitted_into_cache(q, kc, vc, lengths, kb, vb, scale=0.25, impl="pallas", interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(run("xla", (q, kc, vc, kb, vb), lengths, True, None)),
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(wa.write_rows(kc, kb, lengths)))
+    np.testing.assert_array_equal(np.asarray(v[1, s - 1]), np.asarray(vb[1, 0]))
+
+
+def test_the_writing_kernel_lowers_to_one_triton_call_with_both_caches_aliased(monkeypatch):
+    monkeypatch.setattr(wa, "WRITE_IN_KERNEL", True)
+    q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((1, 768, 8, 128), jnp.bfloat16)
+    block = jax.ShapeDtypeStruct((1, 1, 8, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    fn = jax.jit(functools.partial(wa.block_attention_into_cache, scale=0.1, impl="pallas", interpret=False))
+    text = fn.trace(q, cache, cache, lengths, block, block).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "scatter" not in text
+    assert "output_operand_aliases" in text, "the caches must be aliased to the kernel's outputs"

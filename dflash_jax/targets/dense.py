@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from dflash_jax.cache import KVCache, init_kv, write_rows
+from dflash_jax.cache import KVCache, init_kv
 from dflash_jax.config import TargetConfig
 from dflash_jax.targets.base import Target
 from dflash_jax.targets.layers import (
     INIT_STD,
     apply_rope,
-    block_attention,
+    block_attention_into_cache,
     init_module,
     masked_attention,
     matmul,
@@ -45,7 +45,8 @@ def _rope(cfg: TargetConfig) -> tuple[np.ndarray, float]:
 
 
 class DenseLayer(nn.Module):
-    """One pre-norm decoder layer; `attend(q, k, v)` supplies the attention over whatever context."""
+    """One pre-norm decoder layer; `attend(q, k, v)` supplies the attention over whatever context, as
+    `(output, aux)`: aux is whatever the caller wants back beside it (the written caches, or None)."""
 
     cfg: TargetConfig
 
@@ -80,13 +81,14 @@ class DenseLayer(nn.Module):
         return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend):
-        """`(x_out, k, v)`: the layer's output and the block's keys and values (for the cache)."""
+        """`(x_out, aux)`: the layer's output and what `attend` returned beside its own."""
         c = self.cfg
         q, k, v = self.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps), positions)
-        o = matmul(merge_heads(attend(q, k, v)), self.wo)
+        attended, aux = attend(q, k, v)
+        o = matmul(merge_heads(attended), self.wo)
         x = x + (o + self.bo if c.attention_bias else o)
         x = x + swiglu(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.w_gate_up, self.w_down)
-        return x, k, v
+        return x, aux
 
 
 class DenseLM(nn.Module):
@@ -125,7 +127,7 @@ class DenseLM(nn.Module):
         scale = self.cfg.head_dim ** -0.5
         x, outputs = self.embed(tokens), []
         for layer in self.layers:
-            x, _, _ = layer(x, positions, lambda q, k, v: masked_attention(q, k, v, mask, scale))
+            x, _ = layer(x, positions, lambda q, k, v: (masked_attention(q, k, v, mask, scale), None))
             outputs.append(x)
         return self._norm(x), concat_taps(outputs, tap_ids)
 
@@ -142,11 +144,12 @@ class DenseLM(nn.Module):
         x, outputs, ks, vs = self.embed(tokens), [], [], []
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
             def attend(q, k, v, kc=kc, vc=vc):
-                return block_attention(q, kc, vc, start, k, v, scale=scale, causal=True, impl=impl)
+                o, kc, vc = block_attention_into_cache(q, kc, vc, start, k, v, scale=scale, impl=impl)
+                return o, (kc, vc)
 
-            x, k, v = layer(x, positions, attend)
-            ks.append(write_rows(kc, k, start))
-            vs.append(write_rows(vc, v, start))
+            x, (kc, vc) = layer(x, positions, attend)
+            ks.append(kc)
+            vs.append(vc)
             outputs.append(x)
         return self._norm(x), concat_taps(outputs, tap_ids), cache.replace(k=tuple(ks), v=tuple(vs))
 

@@ -23,14 +23,13 @@ import numpy as np
 from flax import linen as nn
 from flax import struct
 
-from dflash_jax.cache import write_rows
 from dflash_jax.config.targets import HybridConfig
 from dflash_jax.targets import dense, gdn, moe
 from dflash_jax.targets.base import Target
 from dflash_jax.targets.layers import (
     INIT_STD,
     apply_rope,
-    block_attention,
+    block_attention_into_cache,
     masked_attention,
     matmul,
     merge_heads,
@@ -141,8 +140,9 @@ class HybridLayer(nn.Module):
         return x + self.mlp(centred_rms_norm(x, self.mlp_norm, c.rms_norm_eps)), aux
 
     def attention(self, x: jax.Array, positions: jax.Array, attend) -> tuple:
-        """Gated attention: `(out, k, v)`, `attend(q, k, v)` over whatever context; the output is scaled by
-        `sigmoid(gate)`, the gate projected beside each head's query."""
+        """Gated attention: `(out, aux)`, `attend(q, k, v)` over whatever context returning `(output, aux)` (aux:
+        what the caller wants back, the written caches or None); the output is scaled by `sigmoid(gate)`, the
+        gate projected beside each head's query."""
         c = self.cfg
         b, w, _ = x.shape
         qg, k, v = jnp.split(matmul(x, self.wqkv), [2 * c.q_width, 2 * c.q_width + c.kv_width], axis=-1)
@@ -151,8 +151,8 @@ class HybridLayer(nn.Module):
         q = partial_rope(centred_rms_norm(q, self.q_norm, c.rms_norm_eps), positions, c)
         k = partial_rope(centred_rms_norm(split_heads(k, c.head_dim), self.k_norm, c.rms_norm_eps), positions, c)
         v = split_heads(v, c.head_dim)
-        o = merge_heads(attend(q, k, v)) * jax.nn.sigmoid(gate)
-        return matmul(o, self.wo), k, v
+        attended, aux = attend(q, k, v)
+        return matmul(merge_heads(attended) * jax.nn.sigmoid(gate), self.wo), aux
 
     def linear_params(self) -> dict:
         return {n: getattr(self, n) for n in ("in_proj", "conv", "dt_bias", "A_log", "norm", "out_proj")}
@@ -187,7 +187,7 @@ class HybridLM(dense.DenseLM):
         scale = c.head_dim ** -0.5
 
         def attention(layer, h):
-            return layer.attention(h, positions, lambda q, k, v: masked_attention(q, k, v, mask, scale))[0], None
+            return layer.attention(h, positions, lambda q, k, v: (masked_attention(q, k, v, mask, scale), None))
 
         def linear(layer, h):
             return gdn.forward(c, layer.linear_params(), h), None
@@ -223,13 +223,16 @@ class HybridLM(dense.DenseLM):
                 kc, vc = state.k[len(ks)], state.v[len(ks)]
 
                 def attention(lyr, h, kc=kc, vc=vc):
-                    o, k, v = lyr.attention(h, positions, lambda q, k, v: block_attention(
-                        q, kc, vc, start, k, v, scale=c.head_dim ** -0.5, causal=True, impl=impl))
-                    return o, (k, v)
+                    def attend(q, k, v):
+                        o, k_cache, v_cache = block_attention_into_cache(q, kc, vc, start, k, v,
+                                                                         scale=c.head_dim ** -0.5, impl=impl)
+                        return o, (k_cache, v_cache)
 
-                x, (k, v) = layer(x, attention)
-                ks.append(write_rows(kc, k, start))
-                vs.append(write_rows(vc, v, start))
+                    return lyr.attention(h, positions, attend)
+
+                x, (kc, vc) = layer(x, attention)
+                ks.append(kc)
+                vs.append(vc)
             outputs.append(x)
         pending = HybridPending(start=start, conv=tuple(convs), ssm=tuple(ssms), per_position=valid is None)
         h = centred_rms_norm(x, self.final_norm, c.rms_norm_eps)

@@ -15,7 +15,7 @@ import numpy as np
 
 from dflash_jax import quant
 from dflash_jax.config import RopeConfig
-from pallas_kernels.windowed_attention import block_attention
+from pallas_kernels.windowed_attention import block_attention, block_attention_into_cache
 
 INIT_STD = 0.02
 """Standard deviation of fresh weights: transformers' `initializer_range` for Qwen3 / Llama."""
@@ -153,6 +153,7 @@ __all__ = [
     "init_module",
     "apply_rope",
     "block_attention",
+    "block_attention_into_cache",
     "exact",
     "masked_attention",
     "matmul",
