@@ -49,9 +49,11 @@ ACC_ELEMENTS = 64 * 256
 
 WRITE_IN_KERNEL = False
 """Whether `block_attention_into_cache` with `impl="pallas"` writes the block's K/V from inside the attention
-kernel (two kernels a layer fewer) or by `write_rows` after it. Off until the H200 measures it against the
-scatters in a plain step, a verify and a round (`bench/profile_round.py --write-in-kernel`): the aliased caches
-must stay in place inside the decode loop, or XLA copies them."""
+kernel (fewer kernels a layer) or by `write_rows` after it. Off: on the H200 (`bench/profile_round.py
+--write-in-kernel`, Qwen3-8B shape, batch 1) it took a plain step from 775 to 629 kernels and 4585 to 4428 us
+busy, but a fused round from 5764 to 5866 us, since the one writing program stores the verify's 16 rows one
+after another (the attention kernel went from 223 to 428 us a round). It pays everywhere once the block is
+written in one masked store."""
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked tiles never make NaN
 
