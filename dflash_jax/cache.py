@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.windowed_attention import write_rows  # noqa: F401  (the targets' and drafter's cache write)
+from pallas_kernels.windowed_attention import write_rows
+
+__all__ = ["KVCache", "init_kv", "write_rows"]  # write_rows lives beside the kernel that can do its work
 
 
 @struct.dataclass

@@ -153,13 +153,14 @@ def writes_in_kernel(k_cache, impl: str) -> bool:
     and a cache the kernel's tiles take as it is (capacity >= BLOCK_K, head_dim a power of two >= 16), since a
     padded copy of the cache could not be written in place."""
     s, hd = k_cache.shape[1], k_cache.shape[3]
-    return WRITE_IN_KERNEL and impl == "pallas" and s >= BLOCK_K and hd >= 16 and hd == pl.next_power_of_2(hd)
+    return WRITE_IN_KERNEL and impl == "pallas" and s >= BLOCK_K and _padded_head_dim(hd) == hd
 
 
 def block_attention_into_cache(q, k_cache, v_cache, ctx_len, k_blk, v_blk, *, scale: float, impl: str = "xla",
                                interpret: bool | None = None):
     """A target's causal `block_attention` of the block over the cache, and the caches with the block's K/V
-    written at rows `ctx_len[b] + i` (rows past the capacity dropped): `(out, k_cache, v_cache)`.
+    written at rows `ctx_len[b] + i` (rows past the capacity dropped): `(out, (k_cache, v_cache))`, the pair
+    being what a layer's `attend` hands back beside its output.
 
     Where `writes_in_kernel`, the attention kernel writes the rows into the caches, which it aliases (the
     program of query tile 0 and split 0 of each batch row and kv head, after its attention); its reads of the
@@ -170,13 +171,14 @@ def block_attention_into_cache(q, k_cache, v_cache, ctx_len, k_blk, v_blk, *, sc
     if not writes_in_kernel(k_cache, impl):
         out = block_attention(q, k_cache, v_cache, ctx_len, k_blk, v_blk, scale=scale, causal=True, impl=impl,
                               interpret=interpret)
-        return out, write_rows(k_cache, k_blk, ctx_len), write_rows(v_cache, v_blk, ctx_len)
+        return out, (write_rows(k_cache, k_blk, ctx_len), write_rows(v_cache, v_blk, ctx_len))
     _check_inputs(q, k_cache, v_cache, ctx_len, k_blk, v_blk, None, impl)
     run = where_lowered(functools.partial(_pallas_attention, scale=float(scale), causal=True, window=None,
                                           write=True), interpret)
     heads = (0, 2)
-    return per_device(run, (q, k_cache, v_cache, ctx_len.astype(jnp.int32), k_blk, v_blk),
-                      (heads, heads, heads, (0, None), heads, heads), (heads, heads, heads))
+    out, k_cache, v_cache = per_device(run, (q, k_cache, v_cache, ctx_len.astype(jnp.int32), k_blk, v_blk),
+                                       (heads, heads, heads, (0, None), heads, heads), (heads, heads, heads))
+    return out, (k_cache, v_cache)
 
 
 def _check_inputs(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, window, impl) -> None:
@@ -339,6 +341,11 @@ def _write_block(written, kb_ref, vb_ref, ctx_len, width: int, capacity: int, wr
         lax.fori_loop(0, width, row, 0)
 
 
+def _padded_head_dim(hd: int) -> int:
+    """Triton tiles: power-of-two sizes, at least 16 along every matmul dimension."""
+    return max(16, pl.next_power_of_2(hd))
+
+
 def _pad_axis(x, axis: int, size: int):
     """Zero-pad `x` along `axis` up to `size` (no copy when already that size)."""
     if x.shape[axis] == size:
@@ -381,8 +388,7 @@ def _pallas_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, *, scale, causal, 
     b, w, nh, hd = q.shape
     s, nkv = k_ctx.shape[1], k_ctx.shape[2]
     group = nh // nkv
-    # Triton tiles: power-of-two sizes, at least 16 along every matmul dimension.
-    hd_p = max(16, pl.next_power_of_2(hd))
+    hd_p = _padded_head_dim(hd)
     block_q, block_k, num_stages = fit_tiles(hd_p, k_ctx.dtype.itemsize, block_q, block_k, num_stages)
     rows = min(block_q, max(16, pl.next_power_of_2(w * group)))
     packed_rows = _round_up(w * group, rows)

@@ -144,8 +144,7 @@ class DenseLM(nn.Module):
         x, outputs, ks, vs = self.embed(tokens), [], [], []
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
             def attend(q, k, v, kc=kc, vc=vc):
-                o, kc, vc = block_attention_into_cache(q, kc, vc, start, k, v, scale=scale, impl=impl)
-                return o, (kc, vc)
+                return block_attention_into_cache(q, kc, vc, start, k, v, scale=scale, impl=impl)
 
             x, (kc, vc) = layer(x, positions, attend)
             ks.append(kc)

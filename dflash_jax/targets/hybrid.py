@@ -223,12 +223,8 @@ class HybridLM(dense.DenseLM):
                 kc, vc = state.k[len(ks)], state.v[len(ks)]
 
                 def attention(lyr, h, kc=kc, vc=vc):
-                    def attend(q, k, v):
-                        o, k_cache, v_cache = block_attention_into_cache(q, kc, vc, start, k, v,
-                                                                         scale=c.head_dim ** -0.5, impl=impl)
-                        return o, (k_cache, v_cache)
-
-                    return lyr.attention(h, positions, attend)
+                    return lyr.attention(h, positions, lambda q, k, v: block_attention_into_cache(
+                        q, kc, vc, start, k, v, scale=c.head_dim ** -0.5, impl=impl))
 
                 x, (kc, vc) = layer(x, attention)
                 ks.append(kc)
