@@ -344,7 +344,7 @@ def _compare(target, drafter, ids, max_new_tokens: int, stops, sampling) -> int:
     speedup = spec.stats.tokens_per_s / plain.stats.tokens_per_s
     print(timing_line("compare: plain", plain.stats), file=sys.stderr)
     print(timing_line("compare: speculative", spec.stats), file=sys.stderr)
-    print(f"[compare] speedup {speedup:.2f}x (both compiled beforehand, timed the same way); outputs {verdict}",
+    print(f"[compare] speedup {speedup:.3g}x (both compiled beforehand, timed the same way); outputs {verdict}",
           file=sys.stderr)
     return 1 if sampling.greedy and not same else 0
 
