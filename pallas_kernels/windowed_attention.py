@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.mesh import per_device
 
@@ -52,8 +53,8 @@ WRITE_IN_KERNEL = False
 kernel (fewer kernels a layer) or by `write_rows` after it. Off: on the H200 (`bench/profile_round.py
 --write-in-kernel`, Qwen3-8B shape, batch 1) it took a plain step from 775 to 629 kernels and 4585 to 4428 us
 busy, but a fused round from 5764 to 5866 us, since the one writing program stores the verify's 16 rows one
-after another (the attention kernel went from 223 to 428 us a round). It pays everywhere once the block is
-written in one masked store."""
+after another (the attention kernel went from 223 to 428 us a round). That program now writes the block in one
+masked store (row by row only where the tile would overhang the cache), which the H200 has yet to measure."""
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked tiles never make NaN
 
@@ -324,11 +325,20 @@ def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, lse_ref, *wri
 
 
 def _write_block(written, kb_ref, vb_ref, ctx_len, width: int, capacity: int, writer) -> None:
-    """Block rows `i < width` into the aliased caches at `ctx_len + i`, one row at a time (a row past the capacity
-    is dropped), by the one program that `writer` marks."""
+    """Block rows `i < width` into the aliased caches at `ctx_len + i` (a row past the capacity is dropped), by
+    the one program that `writer` marks: one masked store of the whole block tile, or, when the tile would
+    overhang the cache (interpret mode would clamp that slice), one row at a time."""
     kc_out, vc_out = written
+    rows = kb_ref.shape[0]
+    fits = ctx_len + rows <= capacity
 
-    @pl.when(writer)
+    @pl.when(writer & fits)
+    def _():
+        mask = lax.broadcasted_iota(jnp.int32, kb_ref.shape, 0) < width
+        plt.store(kc_out.at[pl.ds(ctx_len, rows), :], kb_ref[...], mask=mask)
+        plt.store(vc_out.at[pl.ds(ctx_len, rows), :], vb_ref[...], mask=mask)
+
+    @pl.when(writer & jnp.logical_not(fits))
     def _():
         def row(i, carry):
             @pl.when(ctx_len + i < capacity)
