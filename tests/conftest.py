@@ -28,7 +28,8 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         config.stash[_CACHE_OWNED] = tempfile.mkdtemp(prefix="dflash_jax_test_cache_")
         os.environ.update(JAX_COMPILATION_CACHE_DIR=config.stash[_CACHE_OWNED],
-                          JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+                          JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                          JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     compilation.enable_persistent_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
