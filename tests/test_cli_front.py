@@ -53,8 +53,9 @@ def test_a_cache_folder_that_cannot_be_made_is_refused_naming_it_and_the_way_out
 
 
 def test_watch_counts_what_compiles_and_a_second_call_compiles_nothing():
-    # a program no other test compiles (its constant is new each run), so the run's persistent cache has none of it
-    salt = float(int.from_bytes(os.urandom(4), "little") + 2)
+    # a program no other test compiles (its constant is new each run, and never 0 or 1, which XLA could fold
+    # away), so the run's persistent cache has none of it
+    salt = 2.0 + int.from_bytes(os.urandom(4), "little")
     f = jax.jit(lambda x: jnp.tanh(x) * salt + x.sum())
     x = jnp.ones(7)
     with compilation.watch() as first:
