@@ -144,14 +144,15 @@ def main(argv=None) -> None:
                     help="the target's shape (random bf16); hybrids as in bench/hybrid.py, with the 5-layer drafter")
     ap.add_argument("--precision", default="bf16", choices=list(policy.PRECISIONS),
                     help="the target's weight precision (quantised on the device; the drafter stays bf16)")
-    ap.add_argument("--write-in-kernel", action="store_true",
-                    help="the target's attention kernel writes the block's K/V into the caches (WRITE_IN_KERNEL)")
+    ap.add_argument("--scatter", action="store_true",
+                    help="the target writes the block's K/V with write_rows after attention, not from inside the "
+                         "kernel (WRITE_IN_KERNEL off): profile_round_scatter.json")
     ap.add_argument("--out", default=None)
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="also copy the Perfetto traces and write the loops' compiled HLO text here")
     args = ap.parse_args(argv)
     impl = policy.attention_impl(args.impl)
-    wa.WRITE_IN_KERNEL = args.write_in_kernel
+    wa.WRITE_IN_KERNEL = not args.scatter
     prompt, new = (32, 32) if args.tiny else (args.prompt, args.new)
     if args.model == "qwen3-8b" or args.tiny:
         target, drafter = acc.models(args.tiny)
@@ -178,7 +179,7 @@ def main(argv=None) -> None:
     spec_real = summarize(device_events(real_trace), real_wall, int(np.max(real.stats.rounds)), args.top)
     payload = common.environment(batch=args.batch, prompt=prompt, new=new, tau=args.tau, impl=impl, tiny=args.tiny,
                                  model=args.model, precision=args.precision,
-                                 write_in_kernel=args.write_in_kernel)
+                                 write_in_kernel=wa.WRITE_IN_KERNEL)
     payload.update(weight_bytes=common.target_step_bytes(target), drafter_bytes=common.nbytes(drafter.params),
                    plain_step=plain, spec_round=spec_inj, spec_round_real=spec_real,
                    round_over_step_busy=spec_inj["busy_us"] / plain["busy_us"])
@@ -189,7 +190,7 @@ def main(argv=None) -> None:
             print(f"   {k['us']:8.1f} us  {k['calls']:6.1f}x  {k['share_of_busy']:5.1%}  {k['name'][:90]}")
     name = "profile_round" + ("_tiny" if args.tiny else "" if args.model == "qwen3-8b" else f"_{args.model}")
     name += "" if args.precision == "bf16" else f"_{args.precision}"
-    name += "_write_in_kernel" if args.write_in_kernel else ""
+    name += "_scatter" if args.scatter else ""
     common.write_json(f"{name}.json", payload, args.out)
 
 

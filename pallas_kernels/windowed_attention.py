@@ -48,13 +48,12 @@ SMEM_BYTES = 232_448
 # head-128/256 sweep ran with.
 ACC_ELEMENTS = 64 * 256
 
-WRITE_IN_KERNEL = False
+WRITE_IN_KERNEL = True
 """Whether `block_attention_into_cache` with `impl="pallas"` writes the block's K/V from inside the attention
-kernel (fewer kernels a layer) or by `write_rows` after it. Off: on the H200 (`bench/profile_round.py
---write-in-kernel`, Qwen3-8B shape, batch 1) it took a plain step from 775 to 629 kernels and 4585 to 4428 us
-busy, but a fused round from 5764 to 5866 us, since the one writing program stores the verify's 16 rows one
-after another (the attention kernel went from 223 to 428 us a round). That program now writes the block in one
-masked store (row by row only where the tile would overhang the cache), which the H200 has yet to measure."""
+kernel (fewer kernels a layer) or by `write_rows` after it. On: on the H200 (`bench/profile_round.py` with and
+without `--write-in-kernel`, one lease, Qwen3-8B shape, batch 1, 2026-12-03) it took a plain step from 775 to 629
+kernels and 4,562 to 4,368 us busy, and a fused round from 5,725 to 5,675 us; the attention kernel of a round went
+from 224 to 238 us. (Before the block was written in one masked store, row by row, the round lost 102 us.)"""
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked tiles never make NaN
 
