@@ -10,17 +10,21 @@ What is exact, and asserted:
   run with the same seeds (to float32 rounding, far from any sampling decision here);
 - with verify_t=3 every round examines exactly 2 of the 3 drafts;
 - a sampled row's tokens lie in the target's filtered support given their context (teacher-forced uncached
-  forward, numpy filters).
+  forward, numpy filters);
+- a one-row product XLA:GPU would strength-reduce is lowered for CUDA as a two-row GEMM (exported for CUDA from
+  the CPU), and the two-row form gives the one-row product's value.
 A sampled row under a different verify cap is not asserted equal: the cap changes which random numbers a round
 draws, so only its distribution stays the same (test_sampling_context.py checks distributions).
 """
 import functools
+import re
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 import dflash_jax
 from dflash_jax.sampling import Sampling
@@ -156,3 +160,31 @@ def test_the_kernel_that_writes_the_cache_decodes_as_the_xla_path(monkeypatch, m
     assert out.tokens == want
     assert all(out.stats.accept_hist[k] for k in range(nd + 1)), f"lengths seen: {out.stats.accept_hist}"
     jax.clear_caches()
+
+
+def _dots(fn, platform, *args):
+    text = export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+    return re.findall(r"dot_general [^\n]*?-> tensor<((?:\d+x)*\d+)x[a-z]", text)
+
+
+@pytest.mark.parametrize("x_shape", [(1, 1, 64), (1, 64), (64,)], ids=["step", "row", "vector"])
+def test_a_one_row_product_xla_would_strength_reduce_is_a_two_row_gemm_on_cuda(x_shape):
+    """`layers.matmul` sends one row times a small weight through `as_two_rows` on CUDA only, leaves larger weights,
+    more rows and other platforms as one product, and the two-row form computes the same values."""
+    from dflash_jax.targets import layers
+
+    rng = np.random.RandomState(3)
+    x = jnp.asarray(rng.randn(*x_shape), jnp.float32)
+    w = jnp.asarray(rng.randn(64, 48), jnp.float32)
+    assert _dots(layers.matmul, "cuda", x, w) == ["2x48"]
+    assert _dots(layers.matmul, "cpu", x, w) == ["x".join(map(str, x_shape[:-1] + (48,)))]
+    assert _dots(layers.matmul, "cuda", jnp.zeros((1, 2, 64)), w) == ["1x2x48"], "two rows are a GEMM already"
+    k = 2048
+    n = layers.STRENGTH_REDUCED_BELOW // k  # (n + 1) * k is past the threshold: XLA keeps it a GEMM
+    big = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    assert _dots(layers.matmul, "cuda", jax.ShapeDtypeStruct((1, 1, k), jnp.bfloat16), big) == [f"1x1x{n}"]
+    product = functools.partial(jnp.matmul, precision="highest", preferred_element_type=jnp.float32)
+    got = layers.as_two_rows(product, x, w)
+    assert got.shape == x_shape[:-1] + (48,) and got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(product(x, w)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(layers.matmul)(x, w)), np.asarray(product(x, w)))

@@ -7,11 +7,13 @@ weights through their dequantising product).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dflash_jax import quant
 from dflash_jax.config import RopeConfig
@@ -110,12 +112,33 @@ def exact(*arrays):
     return jax.lax.Precision.HIGHEST if any(a.dtype == jnp.float32 for a in arrays) else None
 
 
+STRENGTH_REDUCED_BELOW = 10_000_000
+"""XLA:GPU rewrites a vector-matrix product `x [K] @ w [K, N]` with `(N + 1) * K` below this many elements
+(its `ShouldStrengthReduceDotToReduce`; a one-row `x` counts, its unit dimensions dropped) into a multiply
+and a reduce, and on JAX 0.11 leaves the multiply unfused: a kernel writes the whole `[K, N]` product and a
+second reads it back. In the Qwen3.5-35B-A3B shape's decode step those were the linear layers' output
+projection, the router and the shared expert's gate/up, 1.57 ms of the step's 4.71 busy (H200,
+bench/results/profile_round_qwen3.5-35b-a3b_before_two_rows.json); as two rows the step took 3.48 ms
+(profile_round_qwen3.5-35b-a3b.json, with the attention kernel's K/V write also on)."""
+
+
 def matmul(x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
     """`x @ w` at the precision `exact` gives (`kwargs` go to `jnp.matmul`, e.g. `preferred_element_type`); a
-    quantised w (`quant.QWeight`) goes to its dequantising product. Every weight product of every family comes here."""
+    quantised w (`quant.QWeight`) goes to its dequantising product. Every weight product of every family comes here.
+    On CUDA a one-row product that XLA would strength-reduce runs as two rows (a zero row added, its output
+    dropped), which XLA keeps a GEMM that reads `w` once (`STRENGTH_REDUCED_BELOW`)."""
     if quant.is_quantized(w):
         return quant.matmul(x, w, **kwargs)
-    return jnp.matmul(x, w, precision=exact(x, w), **kwargs)
+    product = functools.partial(jnp.matmul, precision=exact(x, w), **kwargs)
+    if math.prod(x.shape[:-1]) == 1 and w.ndim == 2 and (w.shape[1] + 1) * w.shape[0] < STRENGTH_REDUCED_BELOW:
+        return lax.platform_dependent(x, w, cuda=functools.partial(as_two_rows, product), default=product)
+    return product(x, w)
+
+
+def as_two_rows(product, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`product(x, w)` for a one-row `x`, computed on `[x; 0]` and cropped to the first row."""
+    rows = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
+    return product(rows, w)[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
 def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
