@@ -50,8 +50,8 @@ ACC_ELEMENTS = 64 * 256
 
 WRITE_IN_KERNEL = True
 """Whether `block_attention_into_cache` with `impl="pallas"` writes the block's K/V from inside the attention
-kernel (fewer kernels a layer) or by `write_rows` after it. On: on the H200 (`bench/profile_round.py` with and
-without `--write-in-kernel`, one lease, Qwen3-8B shape, batch 1, 2026-12-03) it took a plain step from 775 to 629
+kernel (fewer kernels a layer) or by `write_rows` after it. On: on the H200 (`bench/profile_round.py` without and
+with `--scatter`, one lease, Qwen3-8B shape, batch 1, 2026-12-03) it took a plain step from 775 to 629
 kernels and 4,562 to 4,368 us busy, and a fused round from 5,725 to 5,675 us; the attention kernel of a round went
 from 224 to 238 us. (Before the block was written in one masked store, row by row, the round lost 102 us.)"""
 
