@@ -3,12 +3,11 @@ import os
 import shutil
 import tempfile
 
-# The suite is compile-bound on tiny shapes, where LLVM's optimisation buys nothing: without its expensive passes
-# test_hybrid's greedy test at batch 1 and 3 compiled in 55 s against 74 s on one core. Neither flag allows fast
-# math, so every result is the one the default flags give. Set before JAX starts; the commands the tests run
-# inherit it.
-os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                    "--xla_llvm_disable_expensive_passes=true")).strip()
+# The suite is compile-bound on tiny shapes, where LLVM's optimisation buys nothing: at optimisation level 0 CI ran
+# the suite in 1,946 s against 2,848 s. It allows no fast math, but it lowers some CPU products to other
+# kernels that sum in another order (a one-row product differs from a two-row one in the last bit), so the tests
+# compare like with like or within float32 rounding. Set before JAX starts; the commands the tests run inherit it.
+os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0")).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
