@@ -13,6 +13,7 @@ Shares of a peak, each per count:
                           (`STATED_PEAK_FLOPS`; target >= 0.60; `summary.json`'s `prefill_share_of_peak`);
   `share_of_stated_peak_with_attention`  the same with the attention counted;
   `share_of_gemm`         all FLOPs per second over a large bf16 product (`--gemm` cubed) timed in the same run.
+`no_recompile`: no timed prefill compiled (each cell's `compiles_after_warmup`).
 `by_chunk` holds every (`--attention`, `--chunks`) cell, the chunks' attention through the Pallas kernel or cuDNN
 (`policy.PREFILL_ATTENTION`; on a CPU both run XLA's); the top-level figures are the library's defaults' cell.
 `attention` times one layer's chunk attention alone at the mean context, either impl (GPU only).
@@ -53,15 +54,20 @@ def gemm_flops_per_s(n: int, reps: int) -> float:
     return 2.0 * n ** 3 / seconds
 
 
-def time_prefill(target, prompts, chunk: int, attention: str, reps: int) -> list:
+def time_prefill(target, prompts, chunk: int, attention: str, reps: int,
+                 counter: acc.CompileCounter) -> tuple[list, dict]:
     """Seconds of `reps` prefills at `chunk` positions per `extend` with `attention` as the chunks' impl (set in
-    `policy.PREFILL_ATTENTION` for the GPU default, "pallas"), after one warm-up at the same shapes."""
+    `policy.PREFILL_ATTENTION` for the GPU default, "pallas"), after one warm-up at the same shapes, and the
+    compiles of the timed prefills (`CompileCounter.since`: none if the warm-up compiled every program)."""
     saved = dict(policy.PREFILL_ATTENTION)
     policy.PREFILL_ATTENTION["pallas"] = attention
     jax.clear_caches()  # the loop's static arguments do not name the prefill's impl: trace it again
+    run = lambda: dflash_jax.generate(target, None, prompts, max_new_tokens=1,  # noqa: E731
+                                      prefill_chunk=chunk).stats.prefill_time_s
     try:
-        return [dflash_jax.generate(target, None, prompts, max_new_tokens=1, prefill_chunk=chunk).stats.prefill_time_s
-                for _ in range(reps + 1)][1:]
+        run()
+        mark = counter.mark()
+        return [run() for _ in range(reps)], counter.since(mark)
     finally:
         policy.PREFILL_ATTENTION.clear()
         policy.PREFILL_ATTENTION.update(saved)
@@ -119,11 +125,13 @@ def main(argv=None):
     flops = weight_flops + attention_flops
     gemm = gemm_flops_per_s(n, 10)
     by_chunk = {}
+    counter = acc.CompileCounter()
     for attention, c in itertools.product(args.attention, chunks):
-        times = time_prefill(target, prompts, c, attention, args.reps)
+        times, compiles = time_prefill(target, prompts, c, attention, args.reps, counter)
         seconds = float(np.median(times))
         cell = by_chunk[f"{attention}_{c}"] = {
             "attention": attention, "chunk": c, "prefill_s": seconds, "prefill_runs_s": times,
+            "compiles_after_warmup": compiles,
             "tflops": flops / seconds / 1e12, "share_of_stated_peak": weight_flops / seconds / STATED_PEAK_FLOPS,
             "share_of_stated_peak_with_attention": flops / seconds / STATED_PEAK_FLOPS,
             "share_of_gemm": flops / seconds / gemm}
@@ -140,6 +148,7 @@ def main(argv=None):
         "weight_flops": weight_flops, "flops": flops, "stated_peak_flops": STATED_PEAK_FLOPS, "gemm_side": n,
         "gemm_flops_per_s": gemm, "target_share": TARGET_SHARE, "default_chunk": policy.PREFILL_CHUNK,
         "default_attention": default_attention,
+        "no_recompile": all(c["compiles_after_warmup"]["count"] == 0 for c in by_chunk.values()),
         "by_chunk": by_chunk, "attention": attention} | {
             k: v for k, v in (default or {}).items() if k not in ("attention", "chunk")}
     common.write_json(f"prefill{'_tiny' if args.tiny else ''}.json", payload, args.out)

@@ -37,8 +37,8 @@ def _load(folder, name):
 
 
 def test_run_all_tiny_writes_every_figure_and_the_summary(tiny_results):
-    for name in ("plain_decode", "spec_round", "acceptance", "gemm_check", "profile_round", "call_cost", "sweep",
-                 "summary"):
+    for name in ("plain_decode", "spec_round", "acceptance", "call_cost", "prefill", "gemm_check", "profile_round",
+                 "sweep", "summary"):
         assert (tiny_results / f"{name}_tiny.json").is_file(), f"{name}_tiny.json missing"
     summary = _load(tiny_results, "summary")
     for key in ("plain_roofline_ratio", "round_over_plain_step", "speedup_at_tau_6_5", "loop_overhead",
@@ -264,6 +264,9 @@ def test_sampling_filter_bench_times_both_impls_with_identical_supports(tmp_path
     for c in payload["cells"]:
         assert c["same_support"], f"{c['setting']}: the candidate search and the sort keep different tokens"
         assert c["candidates_us"] > 0 and c["sort_us"] > 0
+        assert c["same_support_threshold"], f"{c['setting']}: the threshold search and the sort keep different tokens"
+        for ways in sampling_filter.THRESHOLD_WAYS:
+            assert c[f"part_threshold_{ways}w_us"] > 0, f"the threshold search at {ways} ways was not timed"
 
 
 def test_sharded_bench_tiny_runs_losslessly_on_two_virtual_devices(tmp_path):
