@@ -9,7 +9,8 @@ each blocked); for each impl but the sort, `same_support_{impl}` (its support is
 and where the supports differ `{impl}_tokens_differing` and `{impl}_differing_mass_distance_max` (how far from
 top_p the mass above a differing token lies: float rounding when tiny); `same_support` is the candidates', as in
 earlier results; `candidates_exact`, whether the candidates were exact for every row (else the search paid for
-them and then the sort); and `part_*_us`, the searches' parts alone. Settings: T 0.7 with top-k 50 and top-p 0.9
+them and then the sort); and `part_*_us`, the searches' parts alone, the threshold search also at each of `THRESHOLD_WAYS` parts a pass
+(`part_threshold_{ways}w_us`; `sampling.FILTER_WAYS`). Settings: T 0.7 with top-k 50 and top-p 0.9
 (issue 16's), top-p 0.9 alone, and top-p 0.9 over logits too flat for the candidates (the fallback's cost).
 
     python bench/sampling_filter.py            # H200: writes bench/results/sampling_filter.json
@@ -18,6 +19,7 @@ them and then the sort); and `part_*_us`, the searches' parts alone. Settings: T
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,8 @@ import numpy as np
 import common
 from dflash_jax import sampling as smp
 
+THRESHOLD_WAYS = (2, 4, 8, 16)
+"""Parts a pass of the threshold search, each timed (`part_threshold_{ways}w_us`; `sampling.FILTER_WAYS`)."""
 SETTINGS = {"k50_p0.9": (50, 0.9, 3.0), "p0.9": (0, 0.9, 3.0), "p0.9_flat": (0, 0.9, 0.5)}
 
 
@@ -68,6 +72,9 @@ def part_times(z, top_k, top_p, reps: int) -> dict:
              "part_grouped_top16_us": (jax.jit(lambda x: jax.lax.top_k(
                  x.reshape(x.shape[0], n_groups, smp.FILTER_GROUP), smp.FILTER_PER_GROUP)[0]), (grouped,)),
              "part_threshold_us": (jax.jit(smp._threshold_keep), (z, top_k, top_p))}
+    for ways in THRESHOLD_WAYS:
+        search = functools.partial(smp._threshold_keep, ways=ways)
+        parts[f"part_threshold_{ways}w_us"] = (jax.jit(search), (z, top_k, top_p))
     return {name: common.timed(fn, *args, reps=reps, warmup=2)[0] * 1e6 for name, (fn, args) in parts.items()}
 
 

@@ -205,12 +205,14 @@ def _per_row(param: jax.Array, like: jax.Array) -> jax.Array:
 FILTER_IMPLS = ("sort", "candidates", "threshold")
 FILTER_IMPL = "sort"
 """How top-k/top-p find their cut: one sort of the vocabulary (`_sorted_keep`), the candidate search
-(`_candidate_keep`, which falls back to the sort), or bisection over the logits' order keys (`_threshold_keep`:
+(`_candidate_keep`, which falls back to the sort), or a search over the logits' order keys (`_threshold_keep`:
 elementwise ops and row reductions only, no sort or top-k). The sort stays: on the H200
-(`bench/sampling_filter.py`, bench/results/sampling_filter.json; T 0.7, top-k 50, top-p 0.9) the whole filter took
-1.08 ms with it at 16 rows and 2.16 ms at 128, the candidates 0.70 and 2.42, the threshold search 1.78 and 2.36
-(its 64 bisection steps cost more than the sort). Where supports differed, only at a token whose mass-above lay
-within 8e-8 of top_p: summation order, not a different rule."""
+(`bench/sampling_filter.py`, bench/results/sampling_filter.json, 2026-12-04; T 0.7, top-k 50, top-p 0.9) the whole
+filter took 0.82 ms with it at 16 rows, 1.27 at 32, 1.28 at 64 and 1.49 at 128; the candidates 0.65, 0.79, 1.37 and
+2.56; the threshold search alone, at 8 ways, 0.69, 0.86, 1.52 and 2.57. Each pivot it counts costs what a row
+reduction does (timed by hand on the same day: 2 to 4 us at 16 rows, 23 to 40 at 128, where the logits are read from
+HBM each time), so its 22 passes of 7 pivots win only below 64 rows, by less than 0.4 ms a verify, and lose above. Where supports
+differed, only at a token whose mass-above lay within 8e-8 of top_p: summation order, not a different rule."""
 FILTER_GROUP = 1024
 """Vocabulary positions per group of the candidate search (`_candidate_cuts`)."""
 FILTER_PER_GROUP = 16
@@ -288,8 +290,13 @@ def _candidate_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
     return jax.lax.cond(jnp.all(exact), lambda: keep, lambda: _sorted_keep(z, top_k, top_p))
 
 
-_KEY_BITS = 32
-"""Bisection steps of `_largest_key`: each halves a range of uint32 order keys, so 32 close any range."""
+FILTER_WAYS = 8
+"""Parts a pass of the threshold search cuts each row's range of keys into: its `FILTER_WAYS - 1` pivots are
+counted in one pass over the row, so `_search_passes` passes close any range of 32-bit keys (11 at 8 ways). The
+H200 times every pivot like a pass of its own, so more ways save only the passes' launches: 8 measured best of
+2, 4, 8 and 16 at 16 and 32 rows (`bench/sampling_filter.py`)."""
+_KEY_RANGE = 2**32
+"""How many uint32 order keys there are: the widest range `_largest_key` may have to close."""
 
 
 def _order_key(z: jax.Array) -> jax.Array:
@@ -305,21 +312,44 @@ def _from_order_key(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(u, jnp.float32)
 
 
-def _largest_key(holds, lo: jax.Array, hi: jax.Array) -> jax.Array:
+def _search_passes(ways: int) -> int:
+    """Passes of `_largest_key` at `ways` parts a pass: each leaves at most ceil(n / ways) of a range of n keys."""
+    passes, n = 0, _KEY_RANGE
+    while n > 1:
+        passes, n = passes + 1, -(-n // ways)
+    return passes
+
+
+def _largest_key(holds, lo: jax.Array, hi: jax.Array, ways: int) -> jax.Array:
     """Per row, the largest key t in [lo, hi] where `holds(t)`, for a `holds` true up to some key and false above
-    it; lo where it holds nowhere above lo. `_KEY_BITS` bisection steps, each one `holds` (one pass over the row)."""
-    def step(_, bounds):
-        lo, hi = bounds
-        mid = lo + (hi - lo + 1) // 2  # in (lo, hi] while lo < hi, then lo: lo only ever moves to a key that holds
-        ok = holds(mid)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
-    return jax.lax.fori_loop(0, _KEY_BITS, step, (lo, hi))[0]
+    it and true at lo. Each pass puts `ways - 1` pivots lo + s, lo + 2s, ... (s = ceil((hi - lo + 1) / ways)) in the
+    range, asks `holds` of all of them at once ([..., pivots] keys -> bools), and keeps the part from the last pivot
+    that holds to below the first that does not. The passes are unrolled and their bookkeeping is elementwise (the
+    kept part is lo + n s for n pivots holding, no gather), so each pass is one reduction over the row that XLA
+    fuses with the arithmetic around it, and no loop for it to synchronise on."""
+    offsets = jnp.arange(1, ways, dtype=jnp.uint32)
+    for _ in range(_search_passes(ways)):
+        width = hi - lo  # hi - lo + 1 keys; the step is ceil of that over ways, without overflowing uint32
+        step = width // ways + 1
+        inside = offsets * step <= width  # the pivots that lie in [lo, hi]: a prefix, as is where holds is true
+        n = jnp.sum(inside & holds(lo + jnp.minimum(offsets * step, width)), axis=-1, keepdims=True, dtype=jnp.uint32)
+        n_inside = jnp.sum(inside, axis=-1, keepdims=True, dtype=jnp.uint32)
+        hi = jnp.where(n < n_inside, lo + (n + 1) * step - 1, hi)
+        lo = lo + n * step
+    return lo
 
 
-def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """`_sorted_keep`'s support without a sort or top-k: both cuts bisected over the order keys of `_order_key`,
-    each step a row reduction that XLA fuses into one pass over the logits (on the H200 its 64 passes cost more than
-    the sort: `FILTER_IMPL`).
+def _sum_at_or_above(keys: jax.Array, pivots: jax.Array, values) -> jax.Array:
+    """Per row and pivot, the sum of `values` (an array like `keys`, or 1) over tokens whose key is >= the pivot:
+    keys u32[..., V], pivots u32[..., P] -> [..., P], one row reduction per pivot (on the H200 laying the pivots
+    minor, [..., V, P] reduced over V, timed the same)."""
+    values = values if isinstance(values, int) else values[..., None, :]
+    return jnp.sum(jnp.where(keys[..., None, :] >= pivots[..., :, None], values, 0), axis=-1)
+
+
+def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int = FILTER_WAYS) -> jax.Array:
+    """`_sorted_keep`'s support without a sort or top-k: both cuts searched over the order keys of `_order_key`
+    by `_largest_key`, each pass a row reduction that XLA fuses into one pass over the logits.
 
     top-k's cut is the largest key t with count(key >= t) >= k, the k-th largest logit. top-p's is the largest key
     t whose mass (over the tokens top-k keeps, normalised over them) of key >= t is >= top_p: the least likely
@@ -329,20 +359,20 @@ def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
     """
     v = z.shape[-1]
     m = jnp.max(z, axis=-1, keepdims=True)
-    keys, weights = _order_key(z), jnp.exp(z - m)  # once, outside both searches' loops
+    keys, weights = _order_key(z), jnp.exp(z - m)  # once, outside both searches
     lo = jnp.broadcast_to(_order_key(jnp.float32(-jnp.inf)), m.shape)  # every key is >= it: both searches hold
     hi = _order_key(m)  # no cut lies above the row's max, so the max is always kept
 
     def count_holds(t):
-        return jnp.sum(keys >= t, axis=-1, keepdims=True) >= top_k
+        return _sum_at_or_above(keys, t, 1) >= top_k
 
-    thr_k = jnp.where((top_k > 0) & (top_k < v), _from_order_key(_largest_key(count_holds, lo, hi)), -jnp.inf)
+    thr_k = jnp.where((top_k > 0) & (top_k < v), _from_order_key(_largest_key(count_holds, lo, hi, ways)), -jnp.inf)
     total = jnp.sum(jnp.where(z >= thr_k, weights, 0.0), axis=-1, keepdims=True)
 
     def mass_holds(t):  # no top-k mask needed: at or below top-k's cut the mass is >= total, so it holds there
-        return jnp.sum(jnp.where(keys >= t, weights, 0.0), axis=-1, keepdims=True) / total >= top_p
+        return _sum_at_or_above(keys, t, weights) / total >= top_p
 
-    thr_p = jnp.where(top_p < 1, _from_order_key(_largest_key(mass_holds, lo, hi)), -jnp.inf)
+    thr_p = jnp.where(top_p < 1, _from_order_key(_largest_key(mass_holds, lo, hi, ways)), -jnp.inf)
     return z >= jnp.maximum(thr_k, thr_p)
 
 

@@ -327,10 +327,10 @@ def test_the_filter_gives_the_same_distribution_with_either_impl(monkeypatch):
 
 
 @pytest.mark.parametrize("impl, present, absent", [("sort", "sort", "top_k"), ("candidates", "top_k", ""),
-                                                   ("threshold", "scan", "sort")])
+                                                   ("threshold", "bitcast_convert_type", "sort")])
 def test_filter_impl_picks_the_search_that_is_traced(monkeypatch, impl, present, absent):
     """Each impl traces its own search (lax.cond caches a branch by function, which once made every impl the first
-    one traced), and the threshold search uses neither a sort nor a top-k."""
+    one traced), and the threshold search (its order keys are bitcasts) uses neither a sort nor a top-k, nor a loop."""
     monkeypatch.setattr(S, "FILTER_IMPL", impl)
     rp = row_params(Sampling(temperature=1.0, top_k=5, top_p=0.9), 2)
     jaxpr = str(jax.make_jaxpr(lambda x, rp: filtered_logprobs(x, rp))(jnp.zeros((2, 300)), rp))
@@ -338,6 +338,7 @@ def test_filter_impl_picks_the_search_that_is_traced(monkeypatch, impl, present,
     assert not absent or f" {absent}[" not in jaxpr, f"FILTER_IMPL={impl!r} must not trace {absent}"
     if impl == "threshold":
         assert " top_k[" not in jaxpr, "the threshold search must not use lax.top_k"
+        assert " scan[" not in jaxpr and " while[" not in jaxpr, "the threshold search's passes must be unrolled"
     monkeypatch.setattr(S, "FILTER_IMPL", "heap")
     with pytest.raises(ValueError, match="FILTER_IMPL='heap'"):
         jax.make_jaxpr(lambda x, rp: filtered_logprobs(x, rp))(jnp.zeros((2, 300)), rp)
@@ -365,6 +366,41 @@ def _mass_above(x, top_k, token):
         x = np.where(x >= np.sort(x)[::-1][top_k - 1], x, -np.inf)
     p = np.exp(x - x.max())
     return p[x > x[token]].sum() / p.sum()
+
+
+def test_the_key_search_finds_the_largest_key_that_holds_in_any_range_at_any_ways():
+    """`_largest_key` closes any range of uint32 keys, the whole 2**32 included, in its passes, whatever the number
+    of parts a pass: the answer at either end of the range, next to an end, and anywhere between."""
+    rng = np.random.default_rng(12)
+    top = 2**32 - 1
+    los = np.array([0, 0, 0, 0, 5, 7, 1000, top, 123] + [0] * 8, np.uint64)
+    his = np.array([top, top, top, top, 5, 9, 2000, top, top] + [top] * 8, np.uint64)
+    answers = np.array([0, top, 1, top - 1, 5, 8, 1999, top, 2**31] + list(rng.integers(0, 2**32, 8)), np.uint64)
+    lo, hi = (jnp.asarray(a[:, None].astype(np.uint32)) for a in (los, his))
+    answer = jnp.asarray(answers[:, None].astype(np.uint32))
+    for ways in (2, 3, 16, 255):
+        got = jax.jit(lambda lo, hi: S._largest_key(lambda t: t <= answer, lo, hi, ways))(lo, hi)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(answer), err_msg=f"{ways} ways")
+
+
+@pytest.mark.parametrize("ways", [2, 3, 16])
+def test_the_threshold_search_gives_the_sorted_support_at_every_width(ways):
+    """Every shape of the search `bench/sampling_filter.py` measures cuts where the sort does, on rows clear of
+    rounding (ties, both zeros and -inf entries among them)."""
+    rng = np.random.default_rng(13)
+    v = 300
+    cases = [(k, p, scale) for k in (1, 7, v - 1, 0) for p in (0.3, 0.9, 1.0) for scale in (0.1, 3.0)]
+    top_k = np.array([[c[0]] for c in cases], np.int32)
+    top_p = np.array([[c[1]] for c in cases], np.float32)
+    z = np.round(rng.normal(size=(len(cases), v)) * np.array([c[2] for c in cases])[:, None] * 4) / 4
+    z = z.astype(np.float32)
+    z[::2, rng.permutation(v)[:v // 3]] = -np.inf
+    search = jax.jit(lambda z, k, p: S._threshold_keep(z, k, p, ways))
+    got = np.asarray(search(jnp.asarray(z), jnp.asarray(top_k), jnp.asarray(top_p)))
+    want = np.asarray(S._sorted_keep(jnp.asarray(z), jnp.asarray(top_k), jnp.asarray(top_p)))
+    clear = _mass_above_distance(z, top_k, top_p) > 1e-5
+    assert clear.sum() >= 0.9 * len(cases), f"only {clear.sum()} of {len(cases)} rows are clear of rounding"
+    np.testing.assert_array_equal(got[clear], want[clear])
 
 
 def test_the_threshold_search_gives_the_sorted_support_exactly():
