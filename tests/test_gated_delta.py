@@ -207,15 +207,16 @@ def test_causal_conv_matches_transformers():
     torch = pytest.importorskip("torch")
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
+    # the torch functions; transformers 5.25 wraps them in a module that runs them on CPU tensors
+    conv_fn, conv_update = (getattr(f, "__wrapped__", f) for f in (hf.causal_conv1d_fn, hf.causal_conv1d_update))
     x, conv_state, weight = (np.array(a) for a in conv_inputs(8, 2, 5, 6, 4))
     channels_first = torch.from_numpy(x.transpose(0, 2, 1).copy())
-    fresh = hf.causal_conv1d_fn.__wrapped__(channels_first, torch.from_numpy(weight[:, 0]), activation="silu")
+    fresh = conv_fn(channels_first, torch.from_numpy(weight[:, 0]), activation="silu")
     y, _ = causal_conv(jnp.asarray(x), jnp.zeros_like(conv_state), jnp.asarray(weight))
     np.testing.assert_allclose(y, fresh.numpy().transpose(0, 2, 1), rtol=1e-5, atol=1e-6)
     hf_state = torch.from_numpy(np.concatenate([np.ones_like(conv_state[:, :1]), conv_state], 1).transpose(0, 2, 1)
                                 .copy())
-    updated = hf.causal_conv1d_update.__wrapped__(channels_first, hf_state, torch.from_numpy(weight[:, 0]),
-                                                  activation="silu")
+    updated = conv_update(channels_first, hf_state, torch.from_numpy(weight[:, 0]), activation="silu")
     y, window = causal_conv(jnp.asarray(x), jnp.asarray(conv_state), jnp.asarray(weight))
     np.testing.assert_allclose(y, updated.numpy().transpose(0, 2, 1), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(conv_state_at(window, jnp.full((2,), 5), kernel_size=4),
