@@ -49,6 +49,12 @@ def delta_inputs(seed, b, t, h, dk, dv, dtype=jnp.float32):
     return [jnp.asarray(a, jnp.float32).astype(dtype) for a in arrays]
 
 
+def torch_paths(*fns):
+    """transformers' torch functions themselves where a hub-kernel decorator wraps them (`__wrapped__`); transformers
+    5.25 wraps some in a module without it, which on CPU tensors runs the same torch path."""
+    return tuple(getattr(f, "__wrapped__", f) for f in fns)
+
+
 def rel_err(got, want) -> float:
     return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
 
@@ -154,9 +160,7 @@ def test_matches_transformers_gated_delta():
     state = rng.standard_normal((b, hv, dk, dv)).astype(np.float32)
     torch_args = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
     options = dict(initial_state=torch.from_numpy(state), output_final_state=True, use_qk_l2norm_in_kernel=False)
-    # the torch functions themselves, not a hub kernel that some transformers versions wrap them in
-    chunk_rule, loop_rule = (getattr(f, "__wrapped__", f) for f in (hf.torch_chunk_gated_delta_rule,
-                                                                   hf.torch_recurrent_gated_delta_rule))
+    chunk_rule, loop_rule = torch_paths(hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule)
     hf_chunk = chunk_rule(*torch_args, chunk_size=8, **options)
     hf_loop = loop_rule(*torch_args, **options)
 
@@ -207,8 +211,7 @@ def test_causal_conv_matches_transformers():
     torch = pytest.importorskip("torch")
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-    # the torch functions; transformers 5.25 wraps them in a module that runs them on CPU tensors
-    conv_fn, conv_update = (getattr(f, "__wrapped__", f) for f in (hf.causal_conv1d_fn, hf.causal_conv1d_update))
+    conv_fn, conv_update = torch_paths(hf.causal_conv1d_fn, hf.causal_conv1d_update)
     x, conv_state, weight = (np.array(a) for a in conv_inputs(8, 2, 5, 6, 4))
     channels_first = torch.from_numpy(x.transpose(0, 2, 1).copy())
     fresh = conv_fn(channels_first, torch.from_numpy(weight[:, 0]), activation="silu")
