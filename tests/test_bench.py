@@ -129,6 +129,32 @@ def test_call_cost_measures_each_sampling_against_greedy(tmp_path):
     assert all(b["rounds"] >= 1 and b["tokens"] <= b["size"] for c in payload["cells"] for b in c["bursts"])
 
 
+def test_call_dispatch_splits_calls_of_known_rounds_and_counts_the_leaves(tmp_path):
+    import call_dispatch
+
+    payload = call_dispatch.main(["--tiny", "--calls", "3", "--rounds", "2", "--out", str(tmp_path)])
+    assert (tmp_path / "call_dispatch_tiny.json").is_file()
+    rows = payload["rows"]
+    assert rows["run_burst_0"]["rounds_per_call"] == 0, "a limit at the tokens made runs no round"
+    assert 1 <= rows["run_burst_2"]["rounds_per_call"] <= 2, "a round makes at least one token"
+    assert {"passthrough_state", "passthrough_state_without_models", "identity_state_leaves"} <= set(rows)
+    assert all(r["total_s"] > 0 for r in rows.values())
+    leaves = payload["leaves"]
+    assert leaves["state"] >= leaves["state_target_cache"] + leaves["state_drafter_cache"] > 0
+
+
+def test_add_norm_bench_times_both_settings_losslessly_through_the_kernel(tmp_path, monkeypatch):
+    """With Pallas attention (interpret mode) the fused setting runs the add_norm kernel in every pass."""
+    import add_norm
+
+    monkeypatch.setenv("DFLASH_ATTENTION", "pallas")
+    payload = add_norm.main(["--tiny", "--taus", "6.5", "--out", str(tmp_path)])
+    assert (tmp_path / "add_norm_tiny.json").is_file()
+    assert set(payload["cells"]) == {"fused", "unfused"}
+    assert all(c["lossless"] and c["no_recompile"] for c in payload["cells"].values())
+    assert "DFLASH_FUSED_NORM" not in os.environ
+
+
 def test_verify_cap_cuts_acceptance_to_the_cap_losslessly_at_every_cap(tmp_path):
     import verify_cap
 
