@@ -29,7 +29,7 @@ def main(argv=None):
     prompt = args.prompts[0]
     bw = common.hbm_bandwidth(common.TINY_PROBE_GIB if args.tiny else 4.0)
     step_bytes = common.target_step_bytes(target) + common.kv_bytes(target.config, prompt + args.new / 2)
-    cells = {}
+    cells, before = {}, os.environ.get("DFLASH_FUSED_NORM")
     for name, switch in SETTINGS.items():
         os.environ["DFLASH_FUSED_NORM"] = switch
         jax.clear_caches()  # every program is traced again, under the switch
@@ -42,7 +42,10 @@ def main(argv=None):
             "speedup": run["speedup"], "no_recompile": rec["no_recompile"],
             "lossless": all(r["lossless"] for r in rec["fused"]) and rec["real_drafter"]["lossless"]}
         print(f"{name}: {cells[name]}", flush=True)
-    os.environ.pop("DFLASH_FUSED_NORM")
+    if before is None:
+        os.environ.pop("DFLASH_FUSED_NORM")
+    else:
+        os.environ["DFLASH_FUSED_NORM"] = before
     payload = common.environment(**vars(args)) | acc.describe(target, drafter, args.tiny) | {
         "batch": 1, "prompt": prompt, "hbm_bandwidth_Bps": bw, "step_bytes": step_bytes, "cells": cells,
         "fused_over_unfused_plain_tokens_per_s": cells["unfused"]["plain_step_s"] / cells["fused"]["plain_step_s"],

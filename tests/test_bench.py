@@ -148,11 +148,12 @@ def test_add_norm_bench_times_both_settings_losslessly_through_the_kernel(tmp_pa
     import add_norm
 
     monkeypatch.setenv("DFLASH_ATTENTION", "pallas")
+    monkeypatch.setenv("DFLASH_FUSED_NORM", "0")
     payload = add_norm.main(["--tiny", "--taus", "6.5", "--out", str(tmp_path)])
     assert (tmp_path / "add_norm_tiny.json").is_file()
     assert set(payload["cells"]) == {"fused", "unfused"}
     assert all(c["lossless"] and c["no_recompile"] for c in payload["cells"].values())
-    assert "DFLASH_FUSED_NORM" not in os.environ
+    assert os.environ["DFLASH_FUSED_NORM"] == "0", "the switch is left as it was found"
 
 
 def test_verify_cap_cuts_acceptance_to_the_cap_losslessly_at_every_cap(tmp_path):
