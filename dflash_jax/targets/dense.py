@@ -142,7 +142,9 @@ class DenseLM(nn.Module):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
         scale = self.cfg.head_dim ** -0.5
-        attend = lambda q, k, v: (masked_attention(q, k, v, mask, scale), None)  # noqa: E731
+        def attend(q, k, v):
+            return masked_attention(q, k, v, mask, scale), None
+
         h, outputs, _ = self.run_layers(self.embed(tokens), positions, [attend] * len(self.layers))
         return h, concat_taps(outputs, tap_ids)
 
