@@ -14,7 +14,8 @@ Rows (median of `--calls` calls each, after warm-up):
 - `identity_state_leaves`: one jitted program returning its donated argument, the state's leaves as a flat list.
 Leaf counts of the models and the state go beside them: JAX's dispatch and PJRT's buffers cost per leaf. On a
 GPU a call's dispatch returns when its loop ends (XLA checks the loop's condition on the host each round), so a
-call's rounds show in `dispatch_s`; the rows of 1 to 8 rounds fit its cost per round and beyond them.
+call's rounds show in `dispatch_s`. `fit` is the line through the calls that ran rounds: seconds a round, and
+seconds a call costs beyond its rounds (`call_cost.py`'s fixed cost, from calls of the loop alone).
 """
 from __future__ import annotations
 
@@ -108,13 +109,19 @@ def main(argv=None):
     for name, r in rows.items():
         print(f"{name:34s} " + "  ".join(f"{k} {v * 1e3:.3f} ms" if k.endswith("_s") else f"{k} {v}"
                                           for k, v in r.items()), flush=True)
+    calls = [r for n, r in rows.items() if n.startswith("run_burst_") and r["rounds_per_call"] > 0]
+    fit = None
+    if len({r["rounds_per_call"] for r in calls}) > 1:
+        per_round, beyond = np.polyfit([r["rounds_per_call"] for r in calls], [r["total_s"] for r in calls], 1)
+        fit = {"round_s": float(per_round), "beyond_rounds_s": float(beyond)}
+        print(f"calls of rounds: {per_round * 1e3:.3f} ms a round, {beyond * 1e3:.3f} ms beyond them")
     leaves = {"target_params": len(jax.tree.leaves(target)), "drafter_params": len(jax.tree.leaves(drafter)),
               "state": len(jax.tree.leaves(box["state"])),
               "state_target_cache": len(jax.tree.leaves(box["state"].target_state)),
               "state_drafter_cache": len(jax.tree.leaves(box["state"].drafter_state))}
     print(f"leaves: {leaves}")
     payload = common.environment(**vars(args)) | acc.describe(target, drafter, args.tiny) | {
-        "prompt": prompt, "rows": rows, "leaves": leaves}
+        "prompt": prompt, "rows": rows, "fit": fit, "leaves": leaves}
     common.write_json(f"call_dispatch{'_tiny' if args.tiny else ''}.json", payload, args.out)
     return payload
 
