@@ -92,6 +92,14 @@ def time_chain(step, carry, calls: int, reps: int, counter: acc.CompileCounter):
     return statistics.median(chained), statistics.median(blocked), carry, counter.since(mark)["count"]
 
 
+def program_flops(fn, *args) -> float:
+    """XLA's count of floating-point operations in the compiled program of the jitted `fn` on `args`, after its
+    dead-code elimination (cost analysis: a list of one dict on older JAX, a dict on newer)."""
+    cost = fn.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
 def measure_phases(cell: acc.Cell, reference: np.ndarray, tau: float, calls: int, reps: int,
                    counter: acc.CompileCounter) -> dict:
     """Each phase timed alone on the state half-way through a run at acceptance `tau`.
@@ -101,7 +109,9 @@ def measure_phases(cell: acc.Cell, reference: np.ndarray, tau: float, calls: int
     doing the same work (commit and ingest do not depend on the data). The draft is timed
     without injection (the drafter's real work) and with it, as the loop compiles it:
     `drafter_dropped_with_inject` says XLA removed the drafter there as dead code (the injected
-    drafts do not depend on the drafter's), so the injected loop does not pay for drafting.
+    drafts do not depend on the drafter's), so the injected loop does not pay for drafting. It is read
+    from the two compiled programs' FLOP counts (`program_flops`), not from their times, which a busy
+    host can halve.
     """
     loop, target, drafter, stops = cell.loop, cell.target, cell.drafter, cell.stop_tokens
     cell.run_spec(cell.injected(reference, acc.first_wrong_probs(tau, cell.nd)), limit=cell.new // 2)
@@ -116,7 +126,9 @@ def measure_phases(cell: acc.Cell, reference: np.ndarray, tau: float, calls: int
     res["draft_injected_s"], _, _, n = time_chain(
         lambda _: draft_step(loop, target, drafter, s), None, calls, reps, counter)
     recompiles += n
-    res["drafter_dropped_with_inject"] = res["draft_injected_s"] < 0.5 * res["draft_s"]
+    res["draft_flops"], res["draft_injected_flops"] = (program_flops(draft_step, loop, target, drafter, state)
+                                                       for state in (plain_s, s))
+    res["drafter_dropped_with_inject"] = res["draft_injected_flops"] < 0.5 * res["draft_flops"]
     rest = s.replace(target_state=None)
     res["verify_s"], res["verify_blocked_s"], (tstate, pending, m, nxt, taps, n_finite), n = time_chain(
         lambda c: verify_step(loop, target, drafter, c[0], rest, drafts), (s.target_state,), calls, reps, counter)

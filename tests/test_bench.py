@@ -49,6 +49,17 @@ def test_run_all_tiny_writes_every_figure_and_the_summary(tiny_results):
     assert summary["checks"]["drafter_dropped_with_inject"] is False, "injected runs must still pay for the drafter"
 
 
+def test_program_flops_counts_what_the_compiled_program_keeps():
+    """`drafter_dropped_with_inject` compares compiled programs' FLOPs: a product whose result is unused is gone."""
+    import jax
+    import spec_round
+
+    a = jnp.ones((64, 64), jnp.float32)
+    used = spec_round.program_flops(jax.jit(lambda x, y: x @ y), a, a)
+    dead = spec_round.program_flops(jax.jit(lambda x, y: (x @ y, x + 1.0)[1]), a, a)
+    assert used >= 2 * 64 ** 3 * 0.9 and dead < 0.5 * used
+
+
 def test_injected_acceptance_lands_where_it_was_set(tiny_results):
     cells = _load(tiny_results, "acceptance")["cells"]
     runs = [r for c in cells for r in c["runs"] if r["tau"] <= 6.5]
