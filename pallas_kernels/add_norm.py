@@ -3,7 +3,8 @@
     s = x + delta                    (in x's dtype)
     y = weight * (float32(s) * rsqrt(mean(float32(s) ** 2) + eps)).astype(s.dtype)
 
-`impl="xla"` is the jnp reference, the model's two lines. XLA runs them as three kernels a decode step (the add,
+`impl="xla"` is the jnp reference: the add, then the models' `rms_norm` (defined here, the one RMSNorm of the
+package). XLA runs them as three kernels a decode step (the add,
 whose sum two consumers read, the sum of squares, and the scaling), each a launch for 8 KB of a 4096-wide row;
 `impl="pallas"` (Triton) reads x and delta once and writes s and y, one program per row. A program does the same
 arithmetic for a row whatever the number of rows, so a row's norm in a 16-row verify equals the same row's in a
@@ -27,11 +28,17 @@ MAX_WIDTH = 16384
 NUM_WARPS = 4
 
 
+def rms_norm(x, weight, eps: float):
+    """RMSNorm computed in float32 and cast back, as Hugging Face Qwen3/Llama do: every model's (`targets.layers`
+    re-exports it), and the kernel's arithmetic on a row."""
+    xf = x.astype(jnp.float32)
+    return weight * (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def reference(x, delta, weight, eps: float):
     """`(x + delta, rms_norm(x + delta))` in jnp."""
     s = x + delta
-    sf = s.astype(jnp.float32)
-    return s, weight * (sf * lax.rsqrt(jnp.mean(sf * sf, axis=-1, keepdims=True) + eps)).astype(s.dtype)
+    return s, rms_norm(s, weight, eps)
 
 
 def fits(width: int) -> bool:
@@ -59,9 +66,8 @@ def add_rms_norm(x, delta, weight, eps: float, *, impl: str = "xla", interpret: 
 
 
 def _kernel(x_ref, d_ref, w_ref, s_ref, y_ref, *, eps: float):
-    s = x_ref[...] + d_ref[...]
-    sf = s.astype(jnp.float32)
-    y = w_ref[...] * (sf * lax.rsqrt(jnp.mean(sf * sf, axis=-1, keepdims=True) + eps)).astype(s.dtype)
+    """The reference on one row's tiles."""
+    s, y = reference(x_ref[...], d_ref[...], w_ref[...], eps)
     s_ref[...] = s
     y_ref[...] = y.astype(y_ref.dtype)
 
