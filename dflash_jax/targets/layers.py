@@ -1,4 +1,5 @@
-"""Building blocks shared by the target and the drafter: RMSNorm (`pallas_kernels.add_norm`'s), RoPE, GQA attention, SwiGLU.
+"""Building blocks shared by the target and the drafter: RMSNorm (`pallas_kernels.add_norm`'s), RoPE, GQA
+attention, SwiGLU.
 
 All functions are pure over arrays; weights are stored `[in, out]` (converted by the name
 maps in `io/names.py`), so projections are `x @ W`, through `matmul` (full float32 for float32 models; quantised
