@@ -159,19 +159,6 @@ def test_call_dispatch_splits_calls_of_known_rounds_and_counts_the_leaves(tmp_pa
     assert leaves["state"] >= leaves["state_target_cache"] + leaves["state_drafter_cache"] > 0
 
 
-def test_add_norm_bench_times_both_settings_losslessly_through_the_kernel(tmp_path, monkeypatch):
-    """With Pallas attention (interpret mode) the fused setting runs the add_norm kernel in every pass."""
-    import add_norm
-
-    monkeypatch.setenv("DFLASH_ATTENTION", "pallas")
-    monkeypatch.setenv("DFLASH_FUSED_NORM", "0")
-    payload = add_norm.main(["--tiny", "--taus", "6.5", "--out", str(tmp_path)])
-    assert (tmp_path / "add_norm_tiny.json").is_file()
-    assert set(payload["cells"]) == {"fused", "unfused"}
-    assert all(c["lossless"] and c["no_recompile"] for c in payload["cells"].values())
-    assert os.environ["DFLASH_FUSED_NORM"] == "0", "the switch is left as it was found"
-
-
 def test_verify_cap_cuts_acceptance_to_the_cap_losslessly_at_every_cap(tmp_path):
     import verify_cap
 

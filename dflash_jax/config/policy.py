@@ -248,21 +248,6 @@ def switch(name: str, kwarg: Optional[bool], default: bool, env: Optional[Mappin
     return value == "1", source
 
 
-FUSED_NORM = False
-"""Whether a cached pass whose attention runs a GPU kernel adds each residual fused with the RMSNorm after it
-(`pallas_kernels.add_norm`: one kernel for XLA's three a decode step), by default. Off until `bench/add_norm.py`
-times it on the H200: it was written on 2026-12-04, after that session's device time was spent."""
-
-
-def fused_norm_impl(attention_impl: str, env: Optional[Mapping[str, str]] = os.environ) -> str:
-    """`add_rms_norm`'s impl in a cached pass of `attention_impl`: "pallas" (the kernel) where attention runs a GPU
-    kernel ("pallas", or "cudnn" in a prefill) and the fused norm is on (DFLASH_FUSED_NORM=0|1 > `FUSED_NORM`),
-    else "xla". Read when a pass is traced."""
-    if attention_impl == "xla" or not switch("fused_norm", None, FUSED_NORM, env)[0]:
-        return "xla"
-    return "pallas"
-
-
 def verify_tau(kwarg, env: Optional[Mapping[str, str]] = os.environ) -> Optional[float]:
     """The confidence threshold tau in (0, 1): keyword > DFLASH_VT_TAU > None (unset)."""
     env = os.environ if env is None else env

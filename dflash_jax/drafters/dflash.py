@@ -25,7 +25,7 @@ from flax import linen as nn
 
 from dflash_jax import sampling as smp
 from dflash_jax.cache import KVCache, init_kv, write_rows
-from dflash_jax.config import DrafterConfig, policy
+from dflash_jax.config import DrafterConfig
 from dflash_jax.drafters.base import Drafter, Proposal, ProposeSettings
 from dflash_jax.targets.base import Target
 from dflash_jax.targets.layers import (
@@ -41,7 +41,6 @@ from dflash_jax.targets.layers import (
     split_heads,
     swiglu,
 )
-from pallas_kernels.add_norm import add_rms_norm
 
 _ones, _normal = nn.initializers.ones, nn.initializers.normal(INIT_STD)
 
@@ -92,13 +91,11 @@ class DFlashLayer(nn.Module):
         return swiglu(xn, self.w_gate_up, self.w_down)
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable, impl: str = "xla") -> jax.Array:
-        """Block rows `x [B, W, H]`; `attend(q, k, v)` is this layer's attention (block k/v given); `impl`, the
-        attention's, picks the attention residual's add fused with the MLP norm (`policy.fused_norm_impl`) and
-        the kernels of families that have more."""
+        """Block rows `x [B, W, H]`; `attend(q, k, v)` is this layer's attention (block k/v given); `impl`
+        picks the kernels of families that have more (DFlash has none)."""
         c = self.cfg
-        a = self.attention(rms_norm(x, self.attn_norm, c.rms_norm_eps), positions, attend)
-        x, h = add_rms_norm(x, a, self.mlp_norm, c.rms_norm_eps, impl=policy.fused_norm_impl(impl))
-        return x + self.mlp(h)
+        x = x + self.attention(rms_norm(x, self.attn_norm, c.rms_norm_eps), positions, attend)
+        return x + self.mlp(rms_norm(x, self.mlp_norm, c.rms_norm_eps))
 
 
 class DFlashModule(nn.Module):

@@ -20,7 +20,7 @@ import numpy as np
 from flax import linen as nn
 
 from dflash_jax.cache import KVCache, init_kv
-from dflash_jax.config import TargetConfig, policy
+from dflash_jax.config import TargetConfig
 from dflash_jax.targets.base import Target
 from dflash_jax.targets.layers import (
     INIT_STD,
@@ -35,7 +35,6 @@ from dflash_jax.targets.layers import (
     split_heads,
     swiglu,
 )
-from pallas_kernels.add_norm import add_rms_norm
 
 _ones, _zeros, _normal = nn.initializers.ones, nn.initializers.zeros, nn.initializers.normal(INIT_STD)
 
@@ -81,21 +80,15 @@ class DenseLayer(nn.Module):
         inv_freq, scale = _rope(c)
         return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
 
-    def __call__(self, x: jax.Array, delta, positions: jax.Array, attend, norm_impl: str = "xla"):
-        """The layer on the residual stream `x + delta`, where `delta` is the previous layer's MLP output (None at
-        the first layer): each residual add runs fused with the norm after it (`add_rms_norm` with `norm_impl`).
-        Returns `(x + delta, mid, mlp, aux)`: the layer's input, the stream after attention, the MLP output that
-        the next layer (or the final norm) adds to it, and what `attend` returned beside its output."""
+    def __call__(self, x: jax.Array, positions: jax.Array, attend):
+        """`(x_out, aux)`: the layer's output and what `attend` returned beside its own."""
         c = self.cfg
-        if delta is None:
-            h = rms_norm(x, self.attn_norm, c.rms_norm_eps)
-        else:
-            x, h = add_rms_norm(x, delta, self.attn_norm, c.rms_norm_eps, impl=norm_impl)
-        q, k, v = self.qkv(h, positions)
+        q, k, v = self.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps), positions)
         attended, aux = attend(q, k, v)
         o = matmul(merge_heads(attended), self.wo)
-        mid, h = add_rms_norm(x, o + self.bo if c.attention_bias else o, self.mlp_norm, c.rms_norm_eps, impl=norm_impl)
-        return x, mid, swiglu(h, self.w_gate_up, self.w_down), aux
+        x = x + (o + self.bo if c.attention_bias else o)
+        x = x + swiglu(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.w_gate_up, self.w_down)
+        return x, aux
 
 
 class DenseLM(nn.Module):
@@ -123,18 +116,8 @@ class DenseLM(nn.Module):
         w = self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head
         return matmul(h, w, preferred_element_type=jnp.float32)
 
-    def run_layers(self, x: jax.Array, positions: jax.Array, attends, norm_impl: str = "xla"):
-        """Every layer, `attends[i]` its attention: `(h final-normed, outputs, auxes)`, `outputs[i]` the stream
-        after layer i (the taps' source), `auxes[i]` what layer i's `attend` returned beside its output."""
-        outputs, auxes, delta = [], [], None
-        for layer, attend in zip(self.layers, attends):
-            x, mid, mlp, aux = layer(x, delta, positions, attend, norm_impl)
-            if delta is not None:
-                outputs.append(x)
-            auxes.append(aux)
-            x, delta = mid, mlp
-        x, h = add_rms_norm(x, delta, self.final_norm, self.cfg.rms_norm_eps, impl=norm_impl)
-        return h, [*outputs, x], auxes
+    def _norm(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
 
     def forward(self, tokens: jax.Array, tap_ids: tuple = ()):
         """Uncached causal forward: `(h [B, T, H] final-normed, taps or None)`."""
@@ -142,11 +125,11 @@ class DenseLM(nn.Module):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
         scale = self.cfg.head_dim ** -0.5
-        def attend(q, k, v):
-            return masked_attention(q, k, v, mask, scale), None
-
-        h, outputs, _ = self.run_layers(self.embed(tokens), positions, [attend] * len(self.layers))
-        return h, concat_taps(outputs, tap_ids)
+        x, outputs = self.embed(tokens), []
+        for layer in self.layers:
+            x, _ = layer(x, positions, lambda q, k, v: (masked_attention(q, k, v, mask, scale), None))
+            outputs.append(x)
+        return self._norm(x), concat_taps(outputs, tap_ids)
 
     def extend(self, cache: KVCache, tokens: jax.Array, start: jax.Array, tap_ids: tuple = (), impl: str = "xla"):
         """Block `tokens [B, W]` at positions `start[b] + i` over the cache; its K/V written.
@@ -158,14 +141,16 @@ class DenseLM(nn.Module):
         chex.assert_shape(start, (b,))
         positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
         scale = self.cfg.head_dim ** -0.5
+        x, outputs, ks, vs = self.embed(tokens), [], [], []
+        for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+            def attend(q, k, v, kc=kc, vc=vc):
+                return block_attention_into_cache(q, kc, vc, start, k, v, scale=scale, impl=impl)
 
-        def attend(kc, vc):
-            return lambda q, k, v: block_attention_into_cache(q, kc, vc, start, k, v, scale=scale, impl=impl)
-
-        h, outputs, caches = self.run_layers(self.embed(tokens), positions, list(map(attend, cache.k, cache.v)),
-                                             policy.fused_norm_impl(impl))
-        return h, concat_taps(outputs, tap_ids), cache.replace(k=tuple(k for k, _ in caches),
-                                                               v=tuple(v for _, v in caches))
+            x, (kc, vc) = layer(x, positions, attend)
+            ks.append(kc)
+            vs.append(vc)
+            outputs.append(x)
+        return self._norm(x), concat_taps(outputs, tap_ids), cache.replace(k=tuple(ks), v=tuple(vs))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits of an uncached forward (what `init` traces to create every parameter)."""

@@ -1,5 +1,4 @@
-"""Building blocks shared by the target and the drafter: RMSNorm (`pallas_kernels.add_norm`'s), RoPE, GQA
-attention, SwiGLU.
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU.
 
 All functions are pure over arrays; weights are stored `[in, out]` (converted by the name
 maps in `io/names.py`), so projections are `x @ W`, through `matmul` (full float32 for float32 models; quantised
@@ -18,7 +17,6 @@ from jax import lax
 
 from dflash_jax import quant
 from dflash_jax.config import RopeConfig
-from pallas_kernels.add_norm import rms_norm
 from pallas_kernels.windowed_attention import block_attention, block_attention_into_cache
 
 INIT_STD = 0.02
@@ -30,6 +28,13 @@ def init_module(module_cls, cfg, seed: int, *args) -> dict:
     parameters do not depend on rope scaling, so shapes stay readable for any rope the census takes."""
     cfg = dataclasses.replace(cfg, rope=RopeConfig(cfg.rope.theta))
     return module_cls(cfg).init(jax.random.key(seed), *args)["params"]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32 and cast back, as Hugging Face Qwen3/Llama do."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
 
 
 def rope_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
