@@ -11,7 +11,9 @@ weights and its DFlash drafter; prompt 512) is prefilled, then decoded by bursts
 `fixed + rounds x round_s`: both come from a least-squares fit of the timed bursts, after `--warmup` bursts.
 `rounds` counts loop rounds (a round advances every row once). Samplings (`SAMPLINGS`): greedy; sampled, i.e.
 T 0.7 with top-p 0.9 and top-k 50 (issue 16's setting); the same with `proposal="sample"` (dense q).
-`round_over_greedy` is a cell's `round_s` over the greedy cell's of the same batch. The drafter is random, so
+`--filters` runs each sampled cell with each of the given `sampling.FILTER_IMPL` values (default: the
+package's), the cell's `filter`. `round_over_greedy` is a cell's `round_s` over the greedy cell's of the same
+batch. The drafter is random, so
 few drafts are accepted; the round's cost does not depend on how many are.
 The top-level `fixed_cost_per_call_s` is the greedy batch-1 cell's (target: at most 1 ms; traces showed about
 13 ms), and `summary.json` reads it and the sampled ratios (target: 1.05, or 1.10 with dense q).
@@ -21,10 +23,12 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import jax
 import numpy as np
 
 import acceptance as acc
 import common
+from dflash_jax import sampling as smp
 from dflash_jax.decoding.session import Session
 from dflash_jax.sampling import Sampling
 
@@ -45,24 +49,31 @@ def fit(bursts: list) -> tuple[float, float]:
 
 
 def measure(target, drafter, batch: int, sampling: str, prompt: int, sizes: list, warmup: int,
-            counter: acc.CompileCounter) -> dict:
-    """One cell: its bursts, the fit, and the compiles of its timed bursts."""
+            counter: acc.CompileCounter, filter_impl: str = smp.FILTER_IMPL) -> dict:
+    """One cell: its bursts, the fit, and the compiles of its warm-up and of its timed bursts;
+    `sampling.FILTER_IMPL` is `filter_impl` while the session runs (its loop is traced at the first burst)."""
     prompts = acc.make_prompts(batch, prompt, target.config.vocab_size, 0)
-    session = Session(target, drafter, prompts, max_new_tokens=sum(sizes) + 1, sampling=SAMPLINGS[sampling])
-    bursts = []
-    for i, size in enumerate(sizes):
-        if i == warmup:
-            mark = counter.mark()
-        b = session.burst(size)
-        if i >= warmup:
-            bursts.append({"size": size, "tokens": len(b.tokens[0]), "rounds": b.rounds // batch,
-                           "seconds": b.wall_time_s})
-    compiles = counter.since(mark)
+    jax.clear_caches()  # a cell's loop is traced afresh: jit's cache does not key on FILTER_IMPL
+    start = counter.mark()
+    saved, smp.FILTER_IMPL = smp.FILTER_IMPL, filter_impl
+    try:
+        session = Session(target, drafter, prompts, max_new_tokens=sum(sizes) + 1, sampling=SAMPLINGS[sampling])
+        bursts = []
+        for i, size in enumerate(sizes):
+            if i == warmup:
+                mark = counter.mark()
+            b = session.burst(size)
+            if i >= warmup:
+                bursts.append({"size": size, "tokens": len(b.tokens[0]), "rounds": b.rounds // batch,
+                               "seconds": b.wall_time_s})
+    finally:
+        smp.FILTER_IMPL = saved
+    warmup_compiles, compiles = counter.since(start)["count"] - counter.since(mark)["count"], counter.since(mark)
     fixed, per_round = fit(bursts)
-    print(f"batch {batch} {sampling}: fixed cost per call {fixed * 1e3:.3f} ms, {per_round * 1e3:.3f} ms a round "
+    print(f"batch {batch} {sampling} ({filter_impl}): fixed cost per call {fixed * 1e3:.3f} ms, {per_round * 1e3:.3f} ms a round "
           f"({len(bursts)} bursts, {compiles['count']} compiles)", flush=True)
-    return {"batch": batch, "sampling": sampling, "bursts": bursts, "fixed_cost_per_call_s": fixed,
-            "round_s": per_round, "compiles_after_warmup": compiles, "no_recompile": compiles["count"] == 0}
+    return {"batch": batch, "sampling": sampling, "filter": filter_impl, "bursts": bursts, "fixed_cost_per_call_s": fixed,
+            "round_s": per_round, "compiles_in_warmup": warmup_compiles, "compiles_after_warmup": compiles, "no_recompile": compiles["count"] == 0}
 
 
 def main(argv=None):
@@ -70,6 +81,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny random models on the CPU: tests the script")
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--samplings", nargs="+", default=["greedy"], choices=list(SAMPLINGS))
+    ap.add_argument("--filters", nargs="+", default=[smp.FILTER_IMPL], choices=list(smp.FILTER_IMPLS),
+                    help="sampling.FILTER_IMPL of the sampled cells, each in turn (default: the package's)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; tiny 32)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[2, 32], help="burst sizes (tokens), alternated")
     ap.add_argument("--bursts", type=int, default=12, help="timed bursts per cell")
@@ -83,15 +96,17 @@ def main(argv=None):
     counter = acc.CompileCounter()
     target, drafter = acc.models(args.tiny)
     sizes = list(itertools.islice(itertools.cycle(args.sizes), args.warmup + args.bursts))
-    cells = [measure(target, drafter, b, s, prompt, sizes, args.warmup, counter)
-             for b, s in itertools.product(dict.fromkeys(args.batches), samplings)]
+    cells = [measure(target, drafter, b, s, prompt, sizes, args.warmup, counter, f)
+             for b, s in itertools.product(dict.fromkeys(args.batches), samplings)
+             for f in (dict.fromkeys(args.filters) if s != "greedy" else [smp.FILTER_IMPL])]
     greedy = {c["batch"]: c["round_s"] for c in cells if c["sampling"] == "greedy"}
     for c in cells:
         c["round_over_greedy"] = c["round_s"] / greedy[c["batch"]]
     head = next((c for c in cells if (c["batch"], c["sampling"]) == (1, "greedy")), None)
     fixed = head and head["fixed_cost_per_call_s"]
     payload = common.environment(**vars(args)) | acc.describe(target, drafter, args.tiny) | {
-        "prompt": prompt, "cells": cells, "fixed_cost_per_call_s": fixed, "target_s": TARGET_S,
+        "prompt": prompt, "default_filter": smp.FILTER_IMPL, "cells": cells, "fixed_cost_per_call_s": fixed,
+        "target_s": TARGET_S,
         "met": None if fixed is None else fixed <= TARGET_S, "no_recompile": all(c["no_recompile"] for c in cells)}
     common.write_json(f"call_cost{'_tiny' if args.tiny else ''}.json", payload, args.out)
     return payload

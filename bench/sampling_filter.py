@@ -1,20 +1,23 @@
 """The sampling filter on the GPU: top-k/top-p by each of `sampling.FILTER_IMPLS`: one sort of the whole
-vocabulary (`sampling._sorted_keep`, the rule and `sampling.FILTER_IMPL`'s default), the candidate search
-(`sampling._candidate_keep`, which falls back to the sort) and the threshold search (`sampling._threshold_keep`,
-bisection by row reductions, no sort or top-k), over the rows a verify filters: batch x block 16 rows of a
-151,936-token vocabulary.
+vocabulary (`sampling._sorted_keep`, the rule), the candidate search (`sampling._candidate_keep`, which falls
+back to the sort) and the threshold search (`sampling._threshold_keep`, bisection over order keys, no sort or
+top-k) with its passes' sums by each of `sampling.THRESHOLD_SUMS_CHOICES` (`pallas_kernels.key_sums`: the
+kernel, which reads a row once a pass, or XLA's reduction, once a pivot), over the rows a verify filters:
+batch x block 16 rows of a 151,936-token vocabulary.
 
-Per cell: `{impl}_us`, microseconds of the whole `filtered_logprobs` under each impl (median of `--reps` calls,
-each blocked); for each impl but the sort, `same_support_{impl}` (its support is the sort's), `sort_over_{impl}`,
-and where the supports differ `{impl}_tokens_differing` and `{impl}_differing_mass_distance_max` (how far from
-top_p the mass above a differing token lies: float rounding when tiny); `same_support` is the candidates', as in
-earlier results; `candidates_exact`, whether the candidates were exact for every row (else the search paid for
-them and then the sort); and `part_*_us`, the searches' parts alone, the threshold search also at each of `THRESHOLD_WAYS` parts a pass
-(`part_threshold_{ways}w_us`; `sampling.FILTER_WAYS`). Settings: T 0.7 with top-k 50 and top-p 0.9
-(issue 16's), top-p 0.9 alone, and top-p 0.9 over logits too flat for the candidates (the fallback's cost).
+Per cell: `{impl}_us`, microseconds of the whole `filtered_logprobs` under each of `IMPLS` (median of `--reps`
+calls, each blocked); for each but the sort, `same_support_{impl}` (its support is the sort's),
+`sort_over_{impl}`, and where the supports differ `{impl}_tokens_differing` and
+`{impl}_differing_mass_distance_max` (how far from top_p the mass above a differing token lies: float rounding
+when tiny); `same_support` is the candidates', as in earlier results; `candidates_exact`, whether the
+candidates were exact for every row (else the search paid for them and then the sort); and in the cells of
+`PARTS_SETTING`, `part_*_us`, the searches' parts alone: the threshold search with the kernel at each of `THRESHOLD_WAYS` parts a pass
+(`part_threshold_{ways}w_us`; `sampling.FILTER_WAYS`) and with XLA's sums (`part_threshold_xla_{ways}w_us`).
+Settings: T 0.7 with top-k 50 and top-p 0.9 (issue 16's), top-p 0.9 alone, and top-p 0.9 over logits too flat
+for the candidates (the fallback's cost).
 
     python bench/sampling_filter.py            # H200: writes bench/results/sampling_filter.json
-    python bench/sampling_filter.py --tiny     # CPU smoke test
+    python bench/sampling_filter.py --tiny     # CPU smoke test (the kernel's sums take the reference off a GPU)
 """
 from __future__ import annotations
 
@@ -27,21 +30,28 @@ import numpy as np
 
 import common
 from dflash_jax import sampling as smp
+from pallas_kernels import key_sums
 
-THRESHOLD_WAYS = (2, 4, 8, 16)
-"""Parts a pass of the threshold search, each timed (`part_threshold_{ways}w_us`; `sampling.FILTER_WAYS`)."""
+THRESHOLD_WAYS = (8, 16, 32, 64)
+"""Parts a pass of the threshold search, each timed with either sums (`part_threshold_{ways}w_us`,
+`part_threshold_xla_{ways}w_us`; `sampling.FILTER_WAYS`)."""
+IMPLS = {"sort": ("sort", "pallas"), "candidates": ("candidates", "pallas"), "threshold": ("threshold", "pallas"),
+         "threshold_xla": ("threshold", "xla")}
+"""The filters timed: name -> (`sampling.FILTER_IMPL`, `sampling.THRESHOLD_SUMS`)."""
 SETTINGS = {"k50_p0.9": (50, 0.9, 3.0), "p0.9": (0, 0.9, 3.0), "p0.9_flat": (0, 0.9, 0.5)}
+PARTS_SETTING = "k50_p0.9"
+"""The setting whose cells also time the parts (issue 16's; each part compiles once per cell)."""
 
 
-def _filter(impl: str):
-    """`filtered_logprobs`, jitted, with `sampling.FILTER_IMPL` set to `impl` while it traces."""
+def _filter(impl: str, sums: str):
+    """`filtered_logprobs`, jitted, with `sampling.FILTER_IMPL` and `sampling.THRESHOLD_SUMS` set while it traces."""
     def run(logits, rp):
-        saved = smp.FILTER_IMPL
-        smp.FILTER_IMPL = impl
+        saved = smp.FILTER_IMPL, smp.THRESHOLD_SUMS
+        smp.FILTER_IMPL, smp.THRESHOLD_SUMS = impl, sums
         try:
             return smp.filtered_logprobs(logits, rp)
         finally:
-            smp.FILTER_IMPL = saved
+            smp.FILTER_IMPL, smp.THRESHOLD_SUMS = saved
     return jax.jit(run)
 
 
@@ -63,18 +73,21 @@ def support_difference(z: np.ndarray, top_k: int, top_p: float, a, b) -> dict:
 
 def part_times(z, top_k, top_p, reps: int) -> dict:
     """Microseconds of the searches' parts alone over these rows: a full descending sort, one `lax.top_k` of 64
-    over the vocabulary, the candidate search's grouped `lax.top_k`, and the whole threshold search."""
+    over the vocabulary, the candidate search's grouped `lax.top_k`, and the whole threshold search with either
+    sums at each number of ways."""
     v = z.shape[-1]
     n_groups = -(-v // smp.FILTER_GROUP)
     grouped = jnp.pad(z, ((0, 0), (0, n_groups * smp.FILTER_GROUP - v)), constant_values=-jnp.inf)
     parts = {"part_sort_us": (jax.jit(lambda x: jnp.sort(x, axis=-1, descending=True)), (z,)),
              "part_top64_us": (jax.jit(lambda x: jax.lax.top_k(x, 64)[0]), (z,)),
              "part_grouped_top16_us": (jax.jit(lambda x: jax.lax.top_k(
-                 x.reshape(x.shape[0], n_groups, smp.FILTER_GROUP), smp.FILTER_PER_GROUP)[0]), (grouped,)),
-             "part_threshold_us": (jax.jit(smp._threshold_keep), (z, top_k, top_p))}
-    for ways in THRESHOLD_WAYS:
-        search = functools.partial(smp._threshold_keep, ways=ways)
-        parts[f"part_threshold_{ways}w_us"] = (jax.jit(search), (z, top_k, top_p))
+                 x.reshape(x.shape[0], n_groups, smp.FILTER_GROUP), smp.FILTER_PER_GROUP)[0]), (grouped,))}
+    searches = (("threshold", smp._threshold_keep_where_compiled),
+                ("threshold_xla", functools.partial(smp._threshold_keep, impl="xla")))
+    for name, keep in searches:
+        for ways in THRESHOLD_WAYS:
+            search = functools.partial(keep, ways=ways)
+            parts[f"part_{name}_{ways}w_us"] = (jax.jit(search), (z, top_k, top_p))
     return {name: common.timed(fn, *args, reps=reps, warmup=2)[0] * 1e6 for name, (fn, args) in parts.items()}
 
 
@@ -86,7 +99,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     vocab, block = (4096, 4) if args.tiny else (151936, 16)
-    impls = {impl: _filter(impl) for impl in smp.FILTER_IMPLS}
+    impls = {name: _filter(*setting) for name, setting in IMPLS.items()}
     cells = []
     for batch in args.batches:
         rows = batch * block
@@ -109,11 +122,14 @@ def main(argv=None):
                 cell |= {f"{impl}_{key}": value for key, value in difference.items()}
                 cell[f"sort_over_{impl}"] = cell["sort_us"] / cell[f"{impl}_us"]
             cell["same_support"] = cell["same_support_candidates"]
-            cell |= part_times(z, top_k_rows, top_p_rows, args.reps)
+            if name == PARTS_SETTING:
+                cell |= part_times(z, top_k_rows, top_p_rows, args.reps)
             print(cell)
             cells.append(cell)
     payload = common.environment(**vars(args)) | {"filter_group": smp.FILTER_GROUP,
-                                                  "filter_per_group": smp.FILTER_PER_GROUP, "cells": cells}
+                                                  "filter_per_group": smp.FILTER_PER_GROUP,
+                                                  "filter_ways": smp.FILTER_WAYS, "key_sums_tile": key_sums.TILE,
+                                                  "cells": cells}
     common.write_json(f"sampling_filter{'_tiny' if args.tiny else ''}.json", payload, args.out)
     return payload
 

@@ -53,8 +53,11 @@ SOURCES = ("plain_decode", "spec_round", "acceptance", "sweep", "call_cost", "pr
 
 
 def _ratio(d: dict, batch: int, sampling: str):
-    """call_cost.json's `round_over_greedy` of the cell `batch` x `sampling` (None if it did not run)."""
-    return next((c["round_over_greedy"] for c in d["cells"] if (c["batch"], c["sampling"]) == (batch, sampling)),
+    """call_cost.json's `round_over_greedy` of the cell `batch` x `sampling` with the package's filter (None if it
+    did not run)."""
+    default = d.get("default_filter")
+    return next((c["round_over_greedy"] for c in d["cells"] if (c["batch"], c["sampling"]) == (batch, sampling)
+                 and c.get("filter", default) == default),
                 None)
 
 

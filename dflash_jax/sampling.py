@@ -16,6 +16,7 @@ are then distributed exactly as the target alone would produce them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Sequence, Union
@@ -25,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from pallas_kernels import key_sums
 
 STREAM_DRAFT = 0
 """`rng_key` stream for the drafter's proposal draws (proposal='sample', selector walk)."""
@@ -203,16 +206,14 @@ def _per_row(param: jax.Array, like: jax.Array) -> jax.Array:
 
 
 FILTER_IMPLS = ("sort", "candidates", "threshold")
-FILTER_IMPL = "sort"
-"""How top-k/top-p find their cut: one sort of the vocabulary (`_sorted_keep`), the candidate search
+FILTER_IMPL = "threshold"
+"""How top-k/top-p find their cut: one sort of the vocabulary (`_sorted_keep`, the rule), the candidate search
 (`_candidate_keep`, which falls back to the sort), or a search over the logits' order keys (`_threshold_keep`:
-elementwise ops and row reductions only, no sort or top-k). The sort stays: on the H200
+no sort or top-k; each pass's sums by `THRESHOLD_SUMS`). The threshold search is the default: on the H200
 (`bench/sampling_filter.py`, bench/results/sampling_filter.json, 2026-12-04; T 0.7, top-k 50, top-p 0.9) the whole
-filter took 0.82 ms with it at 16 rows, 1.27 at 32, 1.28 at 64 and 1.49 at 128; the candidates 0.65, 0.79, 1.37 and
-2.56; the threshold search alone, at 8 ways, 0.69, 0.86, 1.52 and 2.57. Each pivot it counts costs what a row
-reduction does (timed by hand on the same day: 2 to 4 us at 16 rows, 23 to 40 at 128, where the logits are read from
-HBM each time), so its 22 passes of 7 pivots win only below 64 rows, by less than 0.4 ms a verify, and lose above. Where supports
-differed, only at a token whose mass-above lay within 8e-8 of top_p: summation order, not a different rule."""
+filter took 0.54 ms with it and the key_sums kernel at 16 rows (sort 1.01, the search with XLA's sums 0.79) and
+2.06 ms at 128 rows (sort 2.12, XLA's sums 3.03). Where supports differed, only at a token whose mass-above lay
+within 1e-7 of top_p: summation order, not a different rule."""
 FILTER_GROUP = 1024
 """Vocabulary positions per group of the candidate search (`_candidate_cuts`)."""
 FILTER_PER_GROUP = 16
@@ -339,17 +340,37 @@ def _largest_key(holds, lo: jax.Array, hi: jax.Array, ways: int) -> jax.Array:
     return lo
 
 
-def _sum_at_or_above(keys: jax.Array, pivots: jax.Array, values) -> jax.Array:
-    """Per row and pivot, the sum of `values` (an array like `keys`, or 1) over tokens whose key is >= the pivot:
-    keys u32[..., V], pivots u32[..., P] -> [..., P], one row reduction per pivot (on the H200 laying the pivots
-    minor, [..., V, P] reduced over V, timed the same)."""
-    values = values if isinstance(values, int) else values[..., None, :]
-    return jnp.sum(jnp.where(keys[..., None, :] >= pivots[..., :, None], values, 0), axis=-1)
+THRESHOLD_SUMS = "pallas"
+"""How a pass of the threshold search sums each row at or above its pivots (`pallas_kernels.key_sums`): "pallas"
+runs the kernel, which reads a row once for all of a pass's pivots, where the program is compiled for a GPU, and
+the jnp reference elsewhere (off a GPU Pallas only interprets); "xla" runs the reference everywhere, which XLA
+reduces once per pivot."""
+THRESHOLD_SUMS_CHOICES = ("pallas", "xla")
 
 
-def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int = FILTER_WAYS) -> jax.Array:
+def _threshold_keep_where_compiled(z: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                                   ways: int = FILTER_WAYS) -> jax.Array:
+    """`_threshold_keep` with the kernel's sums in a program compiled for CUDA or ROCm, the reference's elsewhere."""
+    kernel = functools.partial(_threshold_keep, ways=ways, impl="pallas", interpret=False)
+    return jax.lax.platform_dependent(z, top_k, top_p, cuda=kernel, rocm=kernel,
+                                      default=functools.partial(_threshold_keep, ways=ways, impl="xla"))
+
+
+def _threshold_search():
+    """The threshold search with the sums `THRESHOLD_SUMS` names, a new function each call (see
+    `_top_k_top_p_keep`)."""
+    if THRESHOLD_SUMS not in THRESHOLD_SUMS_CHOICES:
+        raise ValueError(f"THRESHOLD_SUMS={THRESHOLD_SUMS!r} is not known; valid choices: {THRESHOLD_SUMS_CHOICES}.")
+    if THRESHOLD_SUMS == "xla":
+        return functools.partial(_threshold_keep, impl="xla")
+    return functools.partial(_threshold_keep_where_compiled)
+
+
+def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int = FILTER_WAYS, impl: str = "xla",
+                    interpret: bool | None = None) -> jax.Array:
     """`_sorted_keep`'s support without a sort or top-k: both cuts searched over the order keys of `_order_key`
-    by `_largest_key`, each pass a row reduction that XLA fuses into one pass over the logits.
+    by `_largest_key`, each pass one call of `key_sums.row_sums`'s count or mass over the row's keys (`impl`,
+    `interpret`: the sums' kernel or reference).
 
     top-k's cut is the largest key t with count(key >= t) >= k, the k-th largest logit. top-p's is the largest key
     t whose mass (over the tokens top-k keeps, normalised over them) of key >= t is >= top_p: the least likely
@@ -360,17 +381,18 @@ def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int 
     v = z.shape[-1]
     m = jnp.max(z, axis=-1, keepdims=True)
     keys, weights = _order_key(z), jnp.exp(z - m)  # once, outside both searches
+    count, mass = key_sums.row_sums(keys, weights, pivots=ways - 1, impl=impl, interpret=interpret)
     lo = jnp.broadcast_to(_order_key(jnp.float32(-jnp.inf)), m.shape)  # every key is >= it: both searches hold
     hi = _order_key(m)  # no cut lies above the row's max, so the max is always kept
 
     def count_holds(t):
-        return _sum_at_or_above(keys, t, 1) >= top_k
+        return count(t) >= top_k
 
     thr_k = jnp.where((top_k > 0) & (top_k < v), _from_order_key(_largest_key(count_holds, lo, hi, ways)), -jnp.inf)
     total = jnp.sum(jnp.where(z >= thr_k, weights, 0.0), axis=-1, keepdims=True)
 
     def mass_holds(t):  # no top-k mask needed: at or below top-k's cut the mass is >= total, so it holds there
-        return _sum_at_or_above(keys, t, weights) / total >= top_p
+        return mass(t) / total >= top_p
 
     thr_p = jnp.where(top_p < 1, _from_order_key(_largest_key(mass_holds, lo, hi, ways)), -jnp.inf)
     return z >= jnp.maximum(thr_k, thr_p)
@@ -379,10 +401,13 @@ def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int 
 def _top_k_top_p_keep():
     """The function behind top-k then top-p that `FILTER_IMPL` names. `filtered_logprobs` hands it to `lax.cond`
     itself, not a wrapper reading FILTER_IMPL: cond caches a branch's trace by function, so a wrapper kept the
-    first impl it traced for every later FILTER_IMPL (and comparisons of impls compared the sort with itself)."""
+    first impl it traced for every later FILTER_IMPL (and comparisons of impls compared the sort with itself). The
+    threshold search comes bound to the sums `THRESHOLD_SUMS` names, a new function each time for the same reason."""
     keeps = {"sort": _sorted_keep, "candidates": _candidate_keep, "threshold": _threshold_keep}
     if FILTER_IMPL not in keeps:
         raise ValueError(f"FILTER_IMPL={FILTER_IMPL!r} is not a known impl; valid choices: {FILTER_IMPLS}.")
+    if FILTER_IMPL == "threshold":
+        return _threshold_search()
     return keeps[FILTER_IMPL]
 
 

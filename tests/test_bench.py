@@ -130,12 +130,20 @@ def test_call_cost_fits_a_line_through_the_bursts_and_refuses_one_size():
 def test_call_cost_measures_each_sampling_against_greedy(tmp_path):
     import call_cost
 
-    payload = call_cost.main(["--tiny", "--samplings", "sampled", "--bursts", "4", "--out", str(tmp_path)])
+    payload = call_cost.main(["--tiny", "--samplings", "sampled", "--filters", "sort", "threshold", "--bursts", "4",
+                              "--out", str(tmp_path)])
     assert (tmp_path / "call_cost_tiny.json").is_file()
-    cells = {(c["batch"], c["sampling"]): c for c in payload["cells"]}
-    assert set(cells) == {(1, "greedy"), (1, "sampled")}, "greedy always runs: it is each ratio's baseline"
-    assert cells[(1, "greedy")]["round_over_greedy"] == 1.0 and cells[(1, "sampled")]["round_over_greedy"] > 0
-    assert payload["fixed_cost_per_call_s"] == cells[(1, "greedy")]["fixed_cost_per_call_s"]
+    cells = {(c["batch"], c["sampling"], c["filter"]): c for c in payload["cells"]}
+    default = payload["default_filter"]
+    assert set(cells) == {(1, "greedy", default), (1, "sampled", "sort"), (1, "sampled", "threshold")}, (
+        "greedy always runs, once: it is each ratio's baseline")
+    assert cells[(1, "greedy", default)]["round_over_greedy"] == 1.0
+    assert all(c["round_over_greedy"] > 0 for c in payload["cells"])
+    assert all(c["compiles_in_warmup"] > 0 for c in payload["cells"]), "each cell traces its own loop"
+    import summary
+    assert summary._ratio(payload, 1, "sampled") == cells[(1, "sampled", default)]["round_over_greedy"], (
+        "summary.json reads the cell of the package's filter")
+    assert payload["fixed_cost_per_call_s"] == cells[(1, "greedy", default)]["fixed_cost_per_call_s"]
     assert payload["no_recompile"], "every burst of a cell runs the loop compiled by its warm-up"
     assert all(b["rounds"] >= 1 and b["tokens"] <= b["size"] for c in payload["cells"] for b in c["bursts"])
 
@@ -285,7 +293,7 @@ def test_the_transformers_peer_is_warmed_up_with_exactly_the_call_it_is_timed_on
     assert got["compiles_in_timed_runs"] == 0, "nothing compiled between the warm-ups and the end of the timed runs"
 
 
-def test_sampling_filter_bench_times_both_impls_with_identical_supports(tmp_path):
+def test_sampling_filter_bench_times_every_impl_with_identical_supports(tmp_path):
     import sampling_filter
 
     payload = sampling_filter.main(["--tiny", "--reps", "1", "--batches", "1", "--out", str(tmp_path)])
@@ -294,9 +302,11 @@ def test_sampling_filter_bench_times_both_impls_with_identical_supports(tmp_path
     for c in payload["cells"]:
         assert c["same_support"], f"{c['setting']}: the candidate search and the sort keep different tokens"
         assert c["candidates_us"] > 0 and c["sort_us"] > 0
-        assert c["same_support_threshold"], f"{c['setting']}: the threshold search and the sort keep different tokens"
-        for ways in sampling_filter.THRESHOLD_WAYS:
-            assert c[f"part_threshold_{ways}w_us"] > 0, f"the threshold search at {ways} ways was not timed"
+        for impl in ("threshold", "threshold_xla"):
+            assert c[f"same_support_{impl}"], f"{c['setting']}: {impl} and the sort keep different tokens"
+            assert c[f"{impl}_us"] > 0
+            for ways in sampling_filter.THRESHOLD_WAYS if c["setting"] == sampling_filter.PARTS_SETTING else ():
+                assert c[f"part_{impl}_{ways}w_us"] > 0, f"{impl} at {ways} ways was not timed"
 
 
 def test_sharded_bench_tiny_runs_losslessly_on_two_virtual_devices(tmp_path):

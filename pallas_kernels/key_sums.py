@@ -1,0 +1,130 @@
+"""Sums over a row at or above each of several pivots: a pass of the sampling filter's threshold search
+(docs/architecture.md, "Pallas kernels"):
+
+    out[..., j] = sum over t of (values[..., t] if keys[..., t] >= pivots[..., j] else 0)
+
+with uint32 order keys `[..., V]`, pivots `[..., P]` and `values` float32 `[..., V]` (a float32 mass), or
+None (an int32 count). `impl="xla"` is the jnp reference. XLA reduces it as one row reduction per pivot and
+so reads the row once per pivot: each pivot cost what a whole reduction does on the H200
+(`sampling.FILTER_WAYS`). `impl="pallas"` (Triton) reads each chunk of a row once and compares it with all
+the pivots in registers: the grid is (row, chunk), each program writes its chunk's P partial sums, and XLA adds
+a row's partials. A count is exact either way; a mass adds its terms in another order, so the two can round
+apart in the last bits.
+
+Rows are padded to whole chunks, and a program masks the keys past the row's end; pivots are padded to a power
+of two (Triton's tiles) and their sums dropped.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
+
+IMPLS = ("xla", "pallas")
+TILE = 8192
+"""Key-pivot comparisons a program holds at once: a chunk is `TILE // P` keys for P (padded) pivots."""
+MIN_CHUNK = 128
+NUM_WARPS = 4
+_SIGN = 0x80000000
+
+
+def reference(keys: jax.Array, pivots: jax.Array, values: jax.Array | None = None) -> jax.Array:
+    """The module docstring's sums in jnp: `[..., P]`, int32 counts when `values` is None."""
+    above = keys[..., None, :] >= pivots[..., :, None]
+    if values is None:
+        return jnp.sum(above, axis=-1, dtype=jnp.int32)
+    return jnp.sum(jnp.where(above, values[..., None, :], 0.0), axis=-1)
+
+
+def chunk_size(pivots: int) -> int:
+    """Keys a program reads for `pivots` pivots."""
+    return max(MIN_CHUNK, TILE // _padded_pivots(pivots))
+
+
+def _padded_pivots(pivots: int) -> int:
+    return 1 << max(pivots - 1, 0).bit_length()
+
+
+def row_sums(keys: jax.Array, values: jax.Array | None = None, *, pivots: int, impl: str = "xla",
+             interpret: bool | None = None):
+    """`(count, mass)`: functions of `pivots` pivots u32[..., pivots] -> the module docstring's sums over these
+    rows, without values (int32) and with them (None when `values` is None). The kernel's padded signed keys and
+    values are made here once, for every call of the two: a search calls them once a pass. `interpret` as for
+    the other kernels: None runs the kernel compiled on CUDA and ROCm and interpreted elsewhere."""
+    if impl not in IMPLS:
+        raise ValueError(f"sum_at_or_above: impl={impl!r} is not supported; choose one of {IMPLS}.")
+    if keys.dtype != jnp.uint32:
+        raise ValueError(f"sum_at_or_above: keys ({keys.dtype}) must be uint32 order keys.")
+    if values is not None and (values.shape != keys.shape or values.dtype != jnp.float32):
+        raise ValueError(f"sum_at_or_above: values {values.dtype}{list(values.shape)} must be float32 of the keys' "
+                         f"shape {list(keys.shape)}.")
+    lead, v = keys.shape[:-1], keys.shape[-1]
+    rows, pp, chunk = math.prod(lead), _padded_pivots(pivots), chunk_size(pivots)
+    vp = -(-v // chunk) * chunk
+
+    def checked(pivots_: jax.Array) -> jax.Array:
+        if pivots_.dtype != jnp.uint32 or pivots_.shape != lead + (pivots,):
+            raise ValueError(f"sum_at_or_above: pivots {pivots_.dtype}{list(pivots_.shape)} must be uint32 order keys "
+                             f"{list(lead + (pivots,))}: the keys' leading (row) dimensions and {pivots} a row.")
+        return pivots_
+
+    if impl == "xla":
+        def count(pivots_: jax.Array) -> jax.Array:
+            return reference(keys, checked(pivots_))
+
+        return count, None if values is None else (lambda pivots_: reference(keys, checked(pivots_), values))
+    # Signed int32 keys in the same order (Triton compares them natively): the sign bit flipped.
+    signed = jnp.pad(jax.lax.bitcast_convert_type(keys.reshape(rows, v) ^ jnp.uint32(_SIGN), jnp.int32),
+                     ((0, 0), (0, vp - v)))
+    padded = None if values is None else jnp.pad(values.reshape(rows, v), ((0, 0), (0, vp - v)))
+
+    def run(pivots_: jax.Array, *row_values: jax.Array) -> jax.Array:
+        piv = jax.lax.bitcast_convert_type(checked(pivots_).reshape(rows, pivots) ^ jnp.uint32(_SIGN), jnp.int32)
+        call = where_lowered(functools.partial(_pallas_sums, width=v, chunk=chunk, mass=bool(row_values)),
+                             interpret)
+        partials = call(signed, jnp.pad(piv, ((0, 0), (0, pp - pivots))), *row_values)
+        return jnp.sum(partials, axis=1)[:, :pivots].reshape(lead + (pivots,))
+
+    return run, None if values is None else (lambda p: run(p, padded))
+
+
+def sum_at_or_above(keys: jax.Array, pivots: jax.Array, values: jax.Array | None = None, *, impl: str = "xla",
+                    interpret: bool | None = None) -> jax.Array:
+    """The module docstring's sums for one set of pivots (`row_sums` for a search that asks many)."""
+    count, mass = row_sums(keys, values, pivots=pivots.shape[-1], impl=impl, interpret=interpret)
+    return count(pivots) if values is None else mass(pivots)
+
+
+def _kernel(keys_ref, pivots_ref, *refs, width: int, chunk: int):
+    """One chunk of one row against all its pivots: [chunk] keys, [P] pivots -> [P] partial sums; keys at or past
+    the row's `width` (the padding) count for none."""
+    *values_ref, out_ref = refs
+    inside = pl.program_id(1) * chunk + jnp.arange(chunk) < width
+    above = inside[:, None] & (keys_ref[0, :][:, None] >= pivots_ref[0, :][None, :])
+    if values_ref:
+        out_ref[0, 0, :] = jnp.sum(jnp.where(above, values_ref[0][0, :][:, None], 0.0), axis=0)
+    else:
+        out_ref[0, 0, :] = jnp.sum(above.astype(jnp.int32), axis=0)
+
+
+def _pallas_sums(keys, pivots, *values, width: int, chunk: int, mass: bool, interpret: bool):
+    rows, vp = keys.shape
+    pp = pivots.shape[1]
+    n_chunks = vp // chunk
+    row_chunk = pl.BlockSpec((1, chunk), lambda r, c: (r, c))
+    in_specs = [row_chunk, pl.BlockSpec((1, pp), lambda r, c: (r, 0))] + [row_chunk] * len(values)
+    return pl.pallas_call(
+        functools.partial(_kernel, width=width, chunk=chunk),
+        grid=(rows, n_chunks),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((1, 1, pp), lambda r, c: (r, c, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows, n_chunks, pp), jnp.float32 if mass else jnp.int32),
+        compiler_params=_triton_compiler_params(NUM_WARPS, 1),
+        interpret=interpret,
+        name="key_sums",
+    )(keys, pivots, *values)
