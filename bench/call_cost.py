@@ -70,10 +70,11 @@ def measure(target, drafter, batch: int, sampling: str, prompt: int, sizes: list
         smp.FILTER_IMPL = saved
     warmup_compiles, compiles = counter.since(start)["count"] - counter.since(mark)["count"], counter.since(mark)
     fixed, per_round = fit(bursts)
-    print(f"batch {batch} {sampling} ({filter_impl}): fixed cost per call {fixed * 1e3:.3f} ms, {per_round * 1e3:.3f} ms a round "
-          f"({len(bursts)} bursts, {compiles['count']} compiles)", flush=True)
-    return {"batch": batch, "sampling": sampling, "filter": filter_impl, "bursts": bursts, "fixed_cost_per_call_s": fixed,
-            "round_s": per_round, "compiles_in_warmup": warmup_compiles, "compiles_after_warmup": compiles, "no_recompile": compiles["count"] == 0}
+    print(f"batch {batch} {sampling} ({filter_impl}): fixed cost per call {fixed * 1e3:.3f} ms, "
+          f"{per_round * 1e3:.3f} ms a round ({len(bursts)} bursts, {compiles['count']} compiles)", flush=True)
+    return {"batch": batch, "sampling": sampling, "filter": filter_impl, "bursts": bursts,
+            "fixed_cost_per_call_s": fixed, "round_s": per_round, "compiles_in_warmup": warmup_compiles,
+            "compiles_after_warmup": compiles, "no_recompile": compiles["count"] == 0}
 
 
 def main(argv=None):

@@ -11,8 +11,9 @@ calls, each blocked); for each but the sort, `same_support_{impl}` (its support 
 `{impl}_differing_mass_distance_max` (how far from top_p the mass above a differing token lies: float rounding
 when tiny); `same_support` is the candidates', as in earlier results; `candidates_exact`, whether the
 candidates were exact for every row (else the search paid for them and then the sort); and in the cells of
-`PARTS_SETTING`, `part_*_us`, the searches' parts alone: the threshold search with the kernel at each of `THRESHOLD_WAYS` parts a pass
-(`part_threshold_{ways}w_us`; `sampling.FILTER_WAYS`) and with XLA's sums (`part_threshold_xla_{ways}w_us`).
+`PARTS_SETTING`, `part_*_us`, the searches' parts alone: the threshold search with the kernel at each of
+`THRESHOLD_WAYS` parts a pass (`part_threshold_{ways}w_us`; `sampling.FILTER_WAYS`) and with XLA's sums
+(`part_threshold_xla_{ways}w_us`).
 Settings: T 0.7 with top-k 50 and top-p 0.9 (issue 16's), top-p 0.9 alone, and top-p 0.9 over logits too flat
 for the candidates (the fallback's cost).
 
