@@ -68,7 +68,8 @@ def measure(target, drafter, batch: int, sampling: str, prompt: int, sizes: list
                                "seconds": b.wall_time_s})
     finally:
         smp.FILTER_IMPL = saved
-    warmup_compiles, compiles = counter.since(start)["count"] - counter.since(mark)["count"], counter.since(mark)
+    compiles = counter.since(mark)
+    warmup_compiles = counter.since(start)["count"] - compiles["count"]
     fixed, per_round = fit(bursts)
     print(f"batch {batch} {sampling} ({filter_impl}): fixed cost per call {fixed * 1e3:.3f} ms, "
           f"{per_round * 1e3:.3f} ms a round ({len(bursts)} bursts, {compiles['count']} compiles)", flush=True)

@@ -57,11 +57,11 @@ def row_sums(keys: jax.Array, values: jax.Array | None = None, *, pivots: int, i
     values are made here once, for every call of the two: a search calls them once a pass. `interpret` as for
     the other kernels: None runs the kernel compiled on CUDA and ROCm and interpreted elsewhere."""
     if impl not in IMPLS:
-        raise ValueError(f"sum_at_or_above: impl={impl!r} is not supported; choose one of {IMPLS}.")
+        raise ValueError(f"key_sums: impl={impl!r} is not supported; choose one of {IMPLS}.")
     if keys.dtype != jnp.uint32:
-        raise ValueError(f"sum_at_or_above: keys ({keys.dtype}) must be uint32 order keys.")
+        raise ValueError(f"key_sums: keys ({keys.dtype}) must be uint32 order keys.")
     if values is not None and (values.shape != keys.shape or values.dtype != jnp.float32):
-        raise ValueError(f"sum_at_or_above: values {values.dtype}{list(values.shape)} must be float32 of the keys' "
+        raise ValueError(f"key_sums: values {values.dtype}{list(values.shape)} must be float32 of the keys' "
                          f"shape {list(keys.shape)}.")
     lead, v = keys.shape[:-1], keys.shape[-1]
     rows, pp, chunk = math.prod(lead), _padded_pivots(pivots), chunk_size(pivots)
@@ -69,28 +69,29 @@ def row_sums(keys: jax.Array, values: jax.Array | None = None, *, pivots: int, i
 
     def checked(pivots_: jax.Array) -> jax.Array:
         if pivots_.dtype != jnp.uint32 or pivots_.shape != lead + (pivots,):
-            raise ValueError(f"sum_at_or_above: pivots {pivots_.dtype}{list(pivots_.shape)} must be uint32 order keys "
+            raise ValueError(f"key_sums: pivots {pivots_.dtype}{list(pivots_.shape)} must be uint32 order keys "
                              f"{list(lead + (pivots,))}: the keys' leading (row) dimensions and {pivots} a row.")
         return pivots_
 
     if impl == "xla":
-        def count(pivots_: jax.Array) -> jax.Array:
-            return reference(keys, checked(pivots_))
+        padded = values
 
-        return count, None if values is None else (lambda pivots_: reference(keys, checked(pivots_), values))
-    # Signed int32 keys in the same order (Triton compares them natively): the sign bit flipped.
-    signed = jnp.pad(jax.lax.bitcast_convert_type(keys.reshape(rows, v) ^ jnp.uint32(_SIGN), jnp.int32),
-                     ((0, 0), (0, vp - v)))
-    padded = None if values is None else jnp.pad(values.reshape(rows, v), ((0, 0), (0, vp - v)))
+        def run(pivots_: jax.Array, *row_values: jax.Array) -> jax.Array:
+            return reference(keys, checked(pivots_), *row_values)
+    else:
+        # Signed int32 keys in the same order (Triton compares them natively): the sign bit flipped.
+        signed = jnp.pad(jax.lax.bitcast_convert_type(keys.reshape(rows, v) ^ jnp.uint32(_SIGN), jnp.int32),
+                         ((0, 0), (0, vp - v)))
+        padded = None if values is None else jnp.pad(values.reshape(rows, v), ((0, 0), (0, vp - v)))
 
-    def run(pivots_: jax.Array, *row_values: jax.Array) -> jax.Array:
-        piv = jax.lax.bitcast_convert_type(checked(pivots_).reshape(rows, pivots) ^ jnp.uint32(_SIGN), jnp.int32)
-        call = where_lowered(functools.partial(_pallas_sums, width=v, chunk=chunk, mass=bool(row_values)),
-                             interpret)
-        partials = call(signed, jnp.pad(piv, ((0, 0), (0, pp - pivots))), *row_values)
-        return jnp.sum(partials, axis=1)[:, :pivots].reshape(lead + (pivots,))
+        def run(pivots_: jax.Array, *row_values: jax.Array) -> jax.Array:
+            piv = jax.lax.bitcast_convert_type(checked(pivots_).reshape(rows, pivots) ^ jnp.uint32(_SIGN), jnp.int32)
+            call = where_lowered(functools.partial(_pallas_sums, width=v, chunk=chunk, mass=bool(row_values)),
+                                 interpret)
+            partials = call(signed, jnp.pad(piv, ((0, 0), (0, pp - pivots))), *row_values)
+            return jnp.sum(partials, axis=1)[:, :pivots].reshape(lead + (pivots,))
 
-    return run, None if values is None else (lambda p: run(p, padded))
+    return run, None if values is None else (lambda pivots_: run(pivots_, padded))
 
 
 def sum_at_or_above(keys: jax.Array, pivots: jax.Array, values: jax.Array | None = None, *, impl: str = "xla",
