@@ -31,12 +31,11 @@ model's, bf16 or float32) and multiply on the tensor cores; the GEMV keeps it in
   first split into the low and high halves of each block (`[2, M, K/2]`), so the two nibble planes of a packed
   tile each meet their own half of x and nothing is interleaved in registers. More rows than `MAX_ROWS`
   (prefill) are a compute-bound GEMM and take the reference, as do weights whose N has no power-of-two factor
-  of 16.
-- `impl="auto"`, the GPU default: the form measured fastest on the H200 (`choose`). One int8 row through the LM
-  head (`REDUCE_MIN_ELEMENTS`) takes `sum(x[:, None] * q, 0) * s`, which XLA fuses into one column reduction over
-  the int8 values; one int8 row through a layer's weight takes the product kernel, the row padded to its 16
-  (so a decode step's row and the same row inside a 16-row verify get the same sums); everything else takes the
-  kernel as above.
+  of 16. A GEMV's K walk is straight-line code (`Tiles.unroll`): a layer's weight is read in a few microseconds,
+  a handful of memory latencies, so every tile's load must be in flight before the arithmetic waits on the first.
+- `impl="auto"`, the GPU default: the form measured fastest (`choose`). One int8 row through the LM head
+  (`REDUCE_MIN_ELEMENTS`) takes `sum(x[:, None] * q, 0) * s`, which XLA fuses into one column reduction over the
+  int8 values; everything else takes the kernel as above.
 """
 from __future__ import annotations
 
@@ -47,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.windowed_attention import SMEM_BYTES, _triton_compiler_params, where_lowered
 
@@ -60,10 +60,9 @@ PACKED_DTYPES = {"int8": ("int8", "float32"), "q8_0": ("int8", "float16"), "q4_0
 # The impl a quantised product uses on a GPU. bench/quant_probe.py on the H200 (bench/results/quant_probe.json,
 # common.per_call_us) timed every form at 1 and 16 rows on each weight shape of Qwen3-8B: for q8_0 the kernel took a
 # quarter to a half of the reference's time everywhere, and one int8 row through the LM head took the column
-# reduction fastest (193.7 us against the GEMV's 348.2). Inside the int8 target's decode step (CUPTI kernel times,
-# bench/results/profile_round_int8.json) the 16-row product kernel of its verify took, per layer, 14.6 / 9.5 / 39.2 /
-# 21.6 us on wqkv / wo / w_gate_up / w_down where the one-row forms took 14.7 / 11.6 (GEMV) and 42.8 / 26.3 (column
-# reduction): one row takes the product kernel through a layer's weights.
+# reduction fastest (193.7 us against the GEMV's 348.2). One int8 row through a layer's weight takes the unrolled
+# GEMV (`GEMV_TILES`): bench/gemv_sweep.py, CUPTI-timed (bench/results/gemv_sweep.json), put it ahead of the row
+# padded into the 16-row product kernel, the form used before.
 GPU_DEFAULT_IMPL = "auto"
 REDUCE_MIN_ELEMENTS = 1 << 28
 """The weight size (K x N) from which one int8 row takes the column reduction: the LM head (622M elements, 177.7 us
@@ -75,19 +74,26 @@ MAX_ROWS = 64  # the most rows the kernels take; more run the reference
 
 class Tiles(NamedTuple):
     """A kernel's tile settings: the largest column and K tiles (each shrinks to the largest power of two that
-    divides its dimension), the programs K is split towards, and Triton's warps and pipeline stages."""
+    divides its dimension), the programs K is split towards, and Triton's warps and pipeline stages. `unroll`
+    walks a program's K tiles in straight-line code instead of a loop, so every tile's load is issued before the
+    arithmetic that waits on it; `evict` marks the packed weights, read once, first out of the L2 cache."""
 
     block_n: int
     block_k: int
     programs: int
     num_warps: int
     num_stages: int
+    unroll: bool = False
+    evict: bool = False
 
 
-# The best of bench/quant.py --sweep on the H200 (bench/results/quant_sweep.json; geometric mean over wqkv and
-# w_down, int8 and q8_0): 32.7 us for the GEMV, 23.5 us for the product at 16 rows. bench/quant_probe.py found
-# settings that beat these on one weight and lost on others (quant_probe.json).
-GEMV_TILES = Tiles(block_n=128, block_k=64, programs=1056, num_warps=4, num_stages=3)
+# GEMV_TILES: the least time per layer of bench/gemv_sweep.py (bench/results/gemv_sweep.json, one int8 row, CUPTI
+# clock, H100 and JAX 0.11.2): on wqkv and w_gate_up 14.8 and 39.0 us, against 17.4 and 45.9 for the row padded
+# into the product kernel, 16.4 and 54.7 for the looped GEMV of 128 x 64 tiles that was the default, and 19.3 and
+# 66.2 for the bf16 product. The same GEMV over a transposed `[N, K]` weight took 18.7 and 67.3: the
+# unrolled walk pays, the layout does not matter. DOT_TILES: the best of bench/quant.py --sweep on the H200
+# (bench/results/quant_sweep.json; geometric mean over wqkv and w_down, int8 and q8_0), 23.5 us at 16 rows.
+GEMV_TILES = Tiles(block_n=256, block_k=16, programs=1056, num_warps=4, num_stages=1, unroll=True, evict=True)
 DOT_TILES = Tiles(block_n=128, block_k=128, programs=264, num_warps=4, num_stages=3)
 
 
@@ -133,18 +139,15 @@ def quant_matmul(x, data, scales, fmt: str, *, out_dtype=None, compute_dtype=Non
         return _column_reduction(x.astype(compute), data, scales, out)
     if impl == "xla" or rows > MAX_ROWS or not kernel_fits(k, n):
         return _reference(x, data, scales, fmt, compute, out)
-    kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute, gemv=impl != "dot"),
-                           interpret)
+    kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute), interpret)
     y = kernel(x.reshape(rows, k), data, scales)
     return y.reshape(*x.shape[:-1], n).astype(out)
 
 
 def choose(fmt: str, rows: int, k: int, n: int) -> str:
-    """`impl="auto"`'s form (module docstring): "reduce" (the column reduction), "dot" (one row through the product
-    kernel) or "pallas" (the kernel for the row count)."""
-    if fmt != "int8" or rows != 1:
-        return "pallas"
-    return "reduce" if k * n >= REDUCE_MIN_ELEMENTS else "dot"
+    """`impl="auto"`'s form (module docstring): "reduce" (the column reduction) or "pallas" (the kernel for the row
+    count)."""
+    return "reduce" if fmt == "int8" and rows == 1 and k * n >= REDUCE_MIN_ELEMENTS else "pallas"
 
 
 def kernel_fits(k: int, n: int) -> bool:
@@ -202,19 +205,27 @@ def _tile_scales(s, rows: int):
     return jnp.broadcast_to(s[:, None, :], (blocks, rows // blocks, bn)).reshape(rows, bn)
 
 
-def _weight_tiles(w_ref, s_ref, t, fmt: str, block_k: int):
+def _rows(ref, start, length: int, evict: bool):
+    """Rows `[start, start + length)` of a weight ref, loaded marked first out of the L2 cache when `evict`."""
+    if evict:
+        return plt.load(ref.at[pl.ds(start, length), :], eviction_policy="evict_first")
+    return ref[pl.ds(start, length), :]
+
+
+def _weight_tiles(w_ref, s_ref, t, fmt: str, block_k: int, evict: bool = False):
     """The float32 weight tiles of step `t`, each with the slice of x's columns it meets: `[(start, length,
     tile)]`, one for int8 and q8_0, two nibble planes for q4_0. int8 tiles stay unscaled (its one scale per
     output channel multiplies the sums)."""
     f32 = jnp.float32
     if fmt == "int8":
-        return [(t * block_k, block_k, w_ref[pl.ds(t * block_k, block_k), :].astype(f32))]
+        return [(t * block_k, block_k, _rows(w_ref, t * block_k, block_k, evict).astype(f32))]
     blocks = block_k // BLOCK
     s = s_ref[pl.ds(t * blocks, blocks), :].astype(f32)
     if fmt == "q8_0":
-        return [(t * block_k, block_k, w_ref[pl.ds(t * block_k, block_k), :].astype(f32) * _tile_scales(s, block_k))]
+        w = _rows(w_ref, t * block_k, block_k, evict).astype(f32)
+        return [(t * block_k, block_k, w * _tile_scales(s, block_k))]
     half = block_k // 2
-    packed = w_ref[pl.ds(t * half, half), :]
+    packed = _rows(w_ref, t * half, half, evict)
     s = _tile_scales(s, half)
     return [(t * half, half, (nibbles.astype(f32) - 8.0) * s) for nibbles in (packed & 0xF, packed >> 4)]
 
@@ -228,27 +239,40 @@ def _x_tile(x_ref, plane: int, start, length: int, fmt: str, column: bool):
     return x_ref[cols, :] if column else x_ref[:, cols]
 
 
-def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, block_k: int, steps: int):
-    """One row: (column tile, K split) walks `steps` tiles of `block_k` inputs, multiplying each dequantised
-    float32 tile by x's column slice into a `[block_k, bn]` float32 accumulator, summed over K once at the end
-    (a cross-thread sum per tile would cost more than the tile's arithmetic).
+def _walk(step, steps: int, acc, unroll: bool):
+    """`step(t, acc)` for t in 0..steps-1: a loop, or straight-line code when `unroll`."""
+    if not unroll:
+        return lax.fori_loop(0, steps, step, acc)
+    for t in range(steps):
+        acc = step(t, acc)
+    return acc
+
+
+def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, block_k: int, steps: int, unroll: bool = False,
+                 evict: bool = False):
+    """One row: (column tile, K split) walks `steps` tiles of `block_k` inputs (a loop, or straight-line code
+    when `unroll`), multiplying each dequantised float32 tile by x's column slice into a `[block_k, bn]` float32
+    accumulator, summed over K once at the end (a cross-thread sum per tile would cost more than the tile's
+    arithmetic).
 
     x_ref: [Ks, 1] ([2, Ks/2, 1], the block halves, for q4_0); w_ref, s_ref as for `_kernel`; o_ref: [1, bn]."""
     f32 = jnp.float32
 
     def step(t, acc):
-        for plane, (start, length, w) in enumerate(_weight_tiles(w_ref, s_ref, t, fmt, block_k)):
+        for plane, (start, length, w) in enumerate(_weight_tiles(w_ref, s_ref, t, fmt, block_k, evict)):
             acc = acc + _x_tile(x_ref, plane, start, length, fmt, column=True).astype(f32) * w
         return acc
 
     rows = block_k // 2 if fmt == "q4_0" else block_k
-    y = jnp.sum(lax.fori_loop(0, steps, step, jnp.zeros((rows, o_ref.shape[-1]), f32)), axis=0, keepdims=True)
+    y = jnp.sum(_walk(step, steps, jnp.zeros((rows, o_ref.shape[-1]), f32), unroll), axis=0, keepdims=True)
     o_ref[...] = y * s_ref[...].astype(f32) if fmt == "int8" else y
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, steps: int):
-    """Rows 2 to `MAX_ROWS`: (row tile, column tile, K split) walks `steps` tiles of `block_k` inputs, each
-    dequantised tile rounded to the compute dtype and multiplied on the tensor cores, float32 accumulation.
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, steps: int, unroll: bool = False,
+            evict: bool = False):
+    """Rows 2 to `MAX_ROWS`: (row tile, column tile, K split) walks `steps` tiles of `block_k` inputs (a loop,
+    or straight-line code when `unroll`), each dequantised tile rounded to the compute dtype and multiplied on the
+    tensor cores, float32 accumulation.
 
     x_ref: [bm, Ks] ([2, bm, Ks/2] for q4_0); w_ref: [Ks, bn] ([Ks/2, bn] for q4_0); s_ref: [Ks/32, bn]
     ([1, bn] for int8); o_ref: [bm, bn] float32."""
@@ -257,11 +281,11 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, step
                             precision=_precision(compute), preferred_element_type=f32)
 
     def step(t, acc):
-        for plane, (start, length, w) in enumerate(_weight_tiles(w_ref, s_ref, t, fmt, block_k)):
+        for plane, (start, length, w) in enumerate(_weight_tiles(w_ref, s_ref, t, fmt, block_k, evict)):
             acc = acc + dot(_x_tile(x_ref, plane, start, length, fmt, column=False).astype(compute), w.astype(compute))
         return acc
 
-    y = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, f32))
+    y = _walk(step, steps, jnp.zeros(o_ref.shape, f32), unroll)
     o_ref[...] = y * s_ref[...].astype(f32) if fmt == "int8" else y
 
 
@@ -283,24 +307,23 @@ def fit_stages(bm: int, bn: int, bk: int, x_itemsize: int, fmt: str, num_stages:
 
 
 def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles: Tiles | None = None,
-                   k_splits: int | None = None, gemv: bool = True):
-    """Pick the GEMV (one row, unless `gemv` is False) or the product kernel, split K until the grid is full, run
-    it, sum the splits.
+                   k_splits: int | None = None):
+    """Pick the GEMV (one row) or the product kernel, split K until the grid is full, run it, sum the splits.
 
     Tiles (`tiles`, default `GEMV_TILES` or `DOT_TILES`): rows `bm` = the next power of two >= M (16 at least,
     `MAX_ROWS` at most; 1 for the GEMV); columns the largest power of two <= block_n dividing N; K the largest
-    power of two <= block_k dividing K (a multiple of 32). The split count depends on K, N and the tiles only, so
+    power of two <= block_k dividing K (for the block formats at least a block: a multiple of 32). The split count depends on K, N and the tiles only, so
     a row's result does not depend on how many rows came with it beyond which kernel runs."""
     m, k = x.shape
     n = data.shape[1]
-    gemv = gemv and m == 1
+    gemv = m == 1
     tiles = tiles or (GEMV_TILES if gemv else DOT_TILES)
     bm = 1 if gemv else min(MAX_ROWS, max(16, pl.next_power_of_2(m)))
     bn = min(n & -n, tiles.block_n)
-    bk = min(k & -k, tiles.block_k)
-    if bk % BLOCK or bn < 16:
+    bk = min(k & -k, tiles.block_k if fmt == "int8" else max(BLOCK, tiles.block_k))
+    if bk % (1 if fmt == "int8" else BLOCK) or bn < 16:
         raise ValueError(f"quant_matmul: tiles K {bk} (from K = {k}) and N {bn} (from N = {n}) do not fit the "
-                         f"kernel: K needs whole blocks of {BLOCK} and N a power-of-two factor of 16.")
+                         f"kernel: {fmt} K tiles need whole blocks of {BLOCK}, and N a power-of-two factor of 16.")
     num_stages = fit_stages(bm, bn, bk, x.dtype.itemsize, fmt, tiles.num_stages)
     k_tiles = k // bk
     m_tiles, n_tiles = -(-m // bm), n // bn
@@ -328,9 +351,11 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
     s_spec = (pl.BlockSpec((1, bn), lambda i, j, p: (0, j)) if fmt == "int8"
               else pl.BlockSpec((ks // BLOCK, bn), lambda i, j, p: (p, j)))
     if gemv:
-        kernel = functools.partial(_gemv_kernel, fmt=fmt, block_k=bk, steps=ks // bk)
+        kernel = functools.partial(_gemv_kernel, fmt=fmt, block_k=bk, steps=ks // bk, unroll=tiles.unroll,
+                                   evict=tiles.evict)
     else:
-        kernel = functools.partial(_kernel, fmt=fmt, compute=compute, block_k=bk, steps=ks // bk)
+        kernel = functools.partial(_kernel, fmt=fmt, compute=compute, block_k=bk, steps=ks // bk, unroll=tiles.unroll,
+                                   evict=tiles.evict)
     partial_sums = pl.pallas_call(
         kernel,
         grid=(m_tiles, n_tiles, k_splits),

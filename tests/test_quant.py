@@ -223,6 +223,41 @@ def test_kernel_tiles_and_k_splits_sum_the_same_and_rows_do_not_affect_each_othe
 
 
 @pytest.mark.parametrize("fmt", qmm.FORMATS)
+def test_the_gemvs_unrolled_walk_and_evicting_loads_give_the_loops_sums(fmt):
+    """`Tiles.unroll` (straight-line K walk) and `Tiles.evict` (an L2 hint on the weight loads) change how the
+    GEMV runs, not what it sums: the hint changes no bit; the unrolled walk adds the same products in the same
+    order, so it agrees to float32 rounding (the compiler may fuse a multiply-add differently in straight-line
+    code than in a loop body, as XLA:CPU does for int8 and q4_0 here)."""
+    rng = np.random.RandomState(5)
+    data, scales = _random_packed(rng, 512, 96, fmt)
+    x = jnp.asarray(rng.randn(1, 512), jnp.float32)
+    loop = qmm.Tiles(block_n=32, block_k=64, programs=6, num_warps=4, num_stages=1)
+    run = lambda t: np.asarray(qmm._pallas_matmul(x, data, scales, fmt=fmt, compute=jnp.dtype(jnp.float32),
+                                                  interpret=True, tiles=t))
+    want, unrolled = run(loop), run(loop._replace(unroll=True))
+    assert np.array_equal(run(loop._replace(evict=True)), want)
+    assert np.array_equal(run(loop._replace(unroll=True, evict=True)), unrolled)
+    np.testing.assert_allclose(unrolled, want, rtol=1e-6, atol=1e-6)
+    exact = np.asarray(x, np.float64) @ np.asarray(qmm.dequantize(data, scales, fmt), np.float64)
+    np.testing.assert_allclose(want, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_takes_k_tiles_under_a_block_and_the_block_formats_round_them_up_to_one():
+    rng = np.random.RandomState(6)
+    x = jnp.asarray(rng.randn(1, 256), jnp.float32)
+    tiles = qmm.Tiles(block_n=64, block_k=8, programs=8, num_warps=2, num_stages=1, unroll=True)
+    data, scales = _random_packed(rng, 256, 64, "int8")
+    got = qmm._pallas_matmul(x, data, scales, fmt="int8", compute=jnp.dtype(jnp.float32), interpret=True, tiles=tiles)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(qmm.quant_matmul(x, data, scales, "int8")), rtol=1e-5,
+                               atol=1e-5)
+    for fmt in ("q8_0", "q4_0"):  # the default GEMV tiles (K 16) serve every format
+        data, scales = _random_packed(rng, 256, 64, fmt)
+        run = lambda t: np.asarray(qmm._pallas_matmul(x, data, scales, fmt=fmt, compute=jnp.dtype(jnp.float32),
+                                                      interpret=True, tiles=t))
+        assert np.array_equal(run(tiles), run(tiles._replace(block_k=qmm.BLOCK)))
+
+
+@pytest.mark.parametrize("fmt", qmm.FORMATS)
 @pytest.mark.parametrize("bm", [16, 32, 64])
 def test_kernel_stages_fit_shared_memory(fmt, bm):
     """At 64 q8_0 rows the default three stages asked an H200 for 233,472 bytes of shared memory (232,448 there):
@@ -287,13 +322,13 @@ def test_kernel_lowers_to_triton_for_cuda():
 
 
 def test_auto_takes_the_measured_form_and_its_column_reduction_equals_the_reference(monkeypatch):
-    """`impl="auto"` (the GPU default): one row through an int8 LM head takes XLA's column reduction, one row through
-    a layer's int8 weight the product kernel, the rest the kernel for their rows; each form gives the reference's
+    """`impl="auto"` (the GPU default): one row through an int8 LM head takes XLA's column reduction, everything else
+    the kernel for its rows (one int8 row through a layer's weight the GEMV); each form gives the reference's
     result."""
     big = qmm.REDUCE_MIN_ELEMENTS
     assert qmm.choose("int8", 1, 4096, 151936) == "reduce", "Qwen3's LM head"
     assert qmm.choose("int8", 1, 4096, big // 4096) == "reduce"
-    assert qmm.choose("int8", 1, 4096, big // 4096 - 16) == qmm.choose("int8", 1, 4096, 24576) == "dot"
+    assert qmm.choose("int8", 1, 4096, big // 4096 - 16) == qmm.choose("int8", 1, 4096, 24576) == "pallas"
     assert qmm.choose("int8", 2, 4096, big // 4096) == "pallas"
     assert {qmm.choose(f, m, 4096, big // 4096) for f in ("q8_0", "q4_0") for m in (1, 16)} == {"pallas"}
     rng = np.random.RandomState(7)
@@ -582,16 +617,17 @@ def test_training_a_quantised_drafter_is_refused_naming_the_way_out():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_one_int8_row_through_auto_gets_the_sums_it_gets_inside_a_verify_block(dtype):
-    """`impl="auto"` sends one row through a layer's int8 weight to the 16-row product kernel, padded: a decode
-    step's row then equals, bit for bit, the same row inside a 16-row verify (interpret mode)."""
+def test_one_int8_row_through_a_layers_weight_takes_the_default_gemv_and_gets_the_references_sums(dtype):
+    """`impl="auto"` sends one row through a layer's int8 weight to the GEMV at `GEMV_TILES` (interpret mode): the
+    same result as calling it so, and the reference's within the compute dtype's rounding."""
     rng = np.random.RandomState(3)
     data, scales = _random_packed(rng, 256, 96, "int8")
-    assert qmm.choose("int8", 1, 256, 96) == "dot"
-    block = jnp.asarray(rng.randn(16, 256), dtype)
-    one = qmm.quant_matmul(block[3:4], data, scales, "int8", impl="auto", interpret=True)
-    inside = qmm.quant_matmul(block, data, scales, "int8", impl="pallas", interpret=True)
-    assert np.array_equal(np.asarray(one, np.float32), np.asarray(inside[3:4], np.float32))
+    assert qmm.choose("int8", 1, 256, 96) == "pallas"
+    x = jnp.asarray(rng.randn(1, 256), dtype)
+    one = qmm.quant_matmul(x, data, scales, "int8", impl="auto", interpret=True)
+    gemv = qmm._pallas_matmul(x, data, scales, fmt="int8", compute=jnp.dtype(dtype), interpret=True,
+                              tiles=qmm.GEMV_TILES)
+    assert np.array_equal(np.asarray(one, np.float32), np.asarray(gemv.astype(dtype), np.float32))
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(qmm.quant_matmul(block[3:4], data, scales,
-                               "int8"), np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(qmm.quant_matmul(x, data, scales, "int8"),
+                               np.float32), rtol=tol, atol=tol)
