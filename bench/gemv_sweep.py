@@ -257,6 +257,7 @@ def main(argv=None):
               f"{next(c for c in cells if c['form'] == 'bf16').get('us', 0):.2f} us")
     payload["elapsed_s"] = time.time() - t0
     common.write_json(name, payload, args.out)
+    return payload
 
 
 if __name__ == "__main__":

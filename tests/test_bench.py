@@ -309,6 +309,33 @@ def test_sampling_filter_bench_times_every_impl_with_identical_supports(tmp_path
                 assert c[f"part_{impl}_{ways}w_us"] > 0, f"{impl} at {ways} ways was not timed"
 
 
+def test_gemv_sweep_times_every_form_against_the_reference(tmp_path):
+    import gemv_sweep
+
+    payload = gemv_sweep.main(["--tiny", "--reps", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "gemv_sweep_tiny.json").is_file()
+    for wname, (k, n) in gemv_sweep.TINY_SHAPES.items():
+        cells = payload["weights"][wname]["cells"]
+        forms = {c["form"] for c in cells}
+        assert not payload["weights"][wname]["failed"]
+        assert {"bf16", "auto", "default", "dot16"} <= forms and any(f.startswith("T") for f in forms)
+        gemvs = [f for f in forms if f.startswith("gemv_")]
+        assert any("_unroll" not in f for f in gemvs) and any(f.endswith("_evict") for f in gemvs), \
+            "the second pass (looped and evicting variants of the best) did not run"
+        for c in cells:
+            assert c["wall_us"] > 0 and c["TBps"] > 0
+            assert c["rel_err"] < 2e-2, f"{wname} {c['form']} disagrees with the reference"
+
+
+def test_gemv_sweep_splits_a_trace_into_runs_at_idle_gaps():
+    import gemv_sweep
+
+    gap = gemv_sweep.GAP_US
+    events = [{"ts": 0.0, "dur": 5.0}, {"ts": 6.0, "dur": 4.0}, {"ts": 12.0 + gap, "dur": 3.0},
+              {"ts": 14.0 + gap, "dur": 2.0}, {"ts": 20.0 + 3 * gap, "dur": 1.0}]
+    assert gemv_sweep.clusters(events[::-1]) == [(10.0, 9.0), (4.0, 5.0), (1.0, 1.0)]
+
+
 def test_sharded_bench_tiny_runs_losslessly_on_two_virtual_devices(tmp_path):
     """`bench/sharded.py --tiny` in a process of its own (its 2 virtual CPU devices exist before JAX starts)."""
     run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sharded.py"), "--tiny", "--out", str(tmp_path),
