@@ -90,7 +90,8 @@ class Tiles(NamedTuple):
 # GEMV_TILES: the least time per layer of bench/gemv_sweep.py (bench/results/gemv_sweep.json, one int8 row, CUPTI
 # clock, H100 and JAX 0.11.2): on wqkv and w_gate_up 14.8 and 39.0 us, against 17.4 and 45.9 for the row padded
 # into the product kernel, 16.4 and 54.7 for the looped GEMV of 128 x 64 tiles that was the default, and 19.3 and
-# 66.2 for the bf16 product. The same GEMV over a transposed `[N, K]` weight took 18.7 and 67.3: the
+# 66.2 for the bf16 product. On a later lease (gemv_sweep_quick.json) wqkv / w_gate_up / w_down / wo took 15.0 /
+# 38.7 / 23.7 / 11.0 us against the padded row's 17.5 / 46.1 / 25.8 / 12.6: 88 us a layer against 102. The same GEMV over a transposed `[N, K]` weight took 18.7 and 67.3: the
 # unrolled walk pays, the layout does not matter. DOT_TILES: the best of bench/quant.py --sweep on the H200
 # (bench/results/quant_sweep.json; geometric mean over wqkv and w_down, int8 and q8_0), 23.5 us at 16 rows.
 GEMV_TILES = Tiles(block_n=256, block_k=16, programs=1056, num_warps=4, num_stages=1, unroll=True, evict=True)
