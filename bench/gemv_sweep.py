@@ -10,10 +10,11 @@ a form's time per call is the median over its runs of the cluster's span (first 
 end, the K-split sum included) over `C`. `busy_us` is the kernels' own time without the gaps between them.
 
 Forms: `bf16` (x @ W in bf16), `auto` (`quant_matmul(impl="auto")`), `default` (`GEMV_TILES` for one row,
-`DOT_TILES` for more), for one row `dot16` (the row padded into the 16-row product kernel), the sweep `<gemv|dot>_<block_n>x<block_k>_w<warps>_p<programs>[_unroll][_evict]`, and, for
-one int8 row, `T<block_n>x<block_k>_w<warps>_p<programs>`: a GEMV over the transposed weight `[N, K]` (a layout
-the package does not store; it tells whether the layout is what holds the kernel back). The three best settings
-of the first pass are timed again with `evict_first` loads (and, for one row, looped).
+`DOT_TILES` for more), for one row `dot16` (the row padded into the 16-row product kernel), the sweep
+`<gemv|dot>_<block_n>x<block_k>_w<warps>_p<programs>[_unroll][_evict]`, and, for one int8 row,
+`T<block_n>x<block_k>_w<warps>_p<programs>`: a GEMV over the transposed weight `[N, K]` (a layout the package does
+not store; it tells whether the layout is what holds the kernel back). The three best settings of the first pass
+are timed again with `evict_first` loads (and, for one row, looped).
 
     python bench/gemv_sweep.py --out DIR                          # H200: one int8 row
     python bench/gemv_sweep.py --rows 16 --fmt q8_0 --out DIR     # a q8_0 drafter's block
@@ -251,7 +252,8 @@ def main(argv=None):
             + ([second["runs_found"], second["runs_expected"]] if second else [])}
         common.write_json(name, payload, args.out)
         for c in payload["weights"][wname]["cells"][:6]:
-            print(f"{wname} {c['form']}: {c.get('us', c['wall_us']):.2f} us {c['TBps']:.2f} TB/s err {c['rel_err']:.1e}")
+            us = c.get("us", c["wall_us"])
+            print(f"{wname} {c['form']}: {us:.2f} us {c['TBps']:.2f} TB/s err {c['rel_err']:.1e}")
         auto = next(c for c in cells if c["form"] == "auto")
         print(f"{wname} auto: {auto.get('us', auto['wall_us']):.2f} us; bf16: "
               f"{next(c for c in cells if c['form'] == 'bf16').get('us', 0):.2f} us")

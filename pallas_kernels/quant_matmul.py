@@ -90,10 +90,11 @@ class Tiles(NamedTuple):
 # GEMV_TILES: the least time per layer of bench/gemv_sweep.py (bench/results/gemv_sweep.json, one int8 row, CUPTI
 # clock, H100 and JAX 0.11.2): on wqkv and w_gate_up 14.8 and 39.0 us, against 17.4 and 45.9 for the row padded
 # into the product kernel, 16.4 and 54.7 for the looped GEMV of 128 x 64 tiles that was the default, and 19.3 and
-# 66.2 for the bf16 product. On a later lease (gemv_sweep_quick.json) wqkv / w_gate_up / w_down / wo took 15.0 /
-# 38.7 / 23.7 / 11.0 us against the padded row's 17.5 / 46.1 / 25.8 / 12.6: 88 us a layer against 102. The same GEMV over a transposed `[N, K]` weight took 18.7 and 67.3: the
-# unrolled walk pays, the layout does not matter. DOT_TILES: the best of bench/quant.py --sweep on the H200
-# (bench/results/quant_sweep.json; geometric mean over wqkv and w_down, int8 and q8_0), 23.5 us at 16 rows.
+# 66.2 for the bf16 product; the same GEMV over a transposed `[N, K]` weight took 18.7 and 67.3 (the unrolled walk
+# pays, the layout does not matter). On a later lease (gemv_sweep_quick.json) wqkv / w_gate_up / w_down / wo took
+# 15.0 / 38.7 / 23.7 / 11.0 us against the padded row's 17.5 / 46.1 / 25.8 / 12.6: 88 us a layer against 102.
+# DOT_TILES: the best of bench/quant.py --sweep on the H200 (bench/results/quant_sweep.json; geometric mean over wqkv
+# and w_down, int8 and q8_0), 23.5 us at 16 rows.
 GEMV_TILES = Tiles(block_n=256, block_k=16, programs=1056, num_warps=4, num_stages=1, unroll=True, evict=True)
 DOT_TILES = Tiles(block_n=128, block_k=128, programs=264, num_warps=4, num_stages=3)
 
@@ -213,7 +214,7 @@ def _rows(ref, start, length: int, evict: bool):
     return ref[pl.ds(start, length), :]
 
 
-def _weight_tiles(w_ref, s_ref, t, fmt: str, block_k: int, evict: bool = False):
+def _weight_tiles(w_ref, s_ref, t, fmt: str, block_k: int, evict: bool):
     """The float32 weight tiles of step `t`, each with the slice of x's columns it meets: `[(start, length,
     tile)]`, one for int8 and q8_0, two nibble planes for q4_0. int8 tiles stay unscaled (its one scale per
     output channel multiplies the sums)."""
@@ -249,8 +250,7 @@ def _walk(step, steps: int, acc, unroll: bool):
     return acc
 
 
-def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, block_k: int, steps: int, unroll: bool = False,
-                 evict: bool = False):
+def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, block_k: int, steps: int, unroll: bool, evict: bool):
     """One row: (column tile, K split) walks `steps` tiles of `block_k` inputs (a loop, or straight-line code
     when `unroll`), multiplying each dequantised float32 tile by x's column slice into a `[block_k, bn]` float32
     accumulator, summed over K once at the end (a cross-thread sum per tile would cost more than the tile's
@@ -269,8 +269,8 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, block_k: int, steps: i
     o_ref[...] = y * s_ref[...].astype(f32) if fmt == "int8" else y
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, steps: int, unroll: bool = False,
-            evict: bool = False):
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, steps: int, unroll: bool,
+            evict: bool):
     """Rows 2 to `MAX_ROWS`: (row tile, column tile, K split) walks `steps` tiles of `block_k` inputs (a loop,
     or straight-line code when `unroll`), each dequantised tile rounded to the compute dtype and multiplied on the
     tensor cores, float32 accumulation.
@@ -313,8 +313,9 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
 
     Tiles (`tiles`, default `GEMV_TILES` or `DOT_TILES`): rows `bm` = the next power of two >= M (16 at least,
     `MAX_ROWS` at most; 1 for the GEMV); columns the largest power of two <= block_n dividing N; K the largest
-    power of two <= block_k dividing K (for the block formats at least a block: a multiple of 32). The split count depends on K, N and the tiles only, so
-    a row's result does not depend on how many rows came with it beyond which kernel runs."""
+    power of two <= block_k dividing K (for the block formats at least a block: a multiple of 32). The split count
+    depends on K, N and the tiles only, so a row's result does not depend on how many rows came with it beyond which
+    kernel runs."""
     m, k = x.shape
     n = data.shape[1]
     gemv = m == 1
@@ -322,7 +323,7 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
     bm = 1 if gemv else min(MAX_ROWS, max(16, pl.next_power_of_2(m)))
     bn = min(n & -n, tiles.block_n)
     bk = min(k & -k, tiles.block_k if fmt == "int8" else max(BLOCK, tiles.block_k))
-    if bk % (1 if fmt == "int8" else BLOCK) or bn < 16:
+    if (fmt != "int8" and bk % BLOCK) or bn < 16:
         raise ValueError(f"quant_matmul: tiles K {bk} (from K = {k}) and N {bn} (from N = {n}) do not fit the "
                          f"kernel: {fmt} K tiles need whole blocks of {BLOCK}, and N a power-of-two factor of 16.")
     num_stages = fit_stages(bm, bn, bk, x.dtype.itemsize, fmt, tiles.num_stages)
