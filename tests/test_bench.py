@@ -253,6 +253,15 @@ def test_moe_bench_checks_every_impl_against_the_gather_and_sweeps_the_kernel(tm
     assert all(cell[f"{impl}_ms"] > 0 for cell in payload["cells"] for impl in moe.MOE_IMPLS)
     assert {(row["T"], row["product"]) for row in payload["sweep"]} == {(1, "gate_up"), (1, "down"), (16, "gate_up"),
                                                                        (16, "down")}
+    one = [row for row in payload["sweep"] if row["T"] == 1]
+    assert any(row.get("gemv") is False for row in one) and any("target_programs" in row for row in one), \
+        "one token must time the padded kernel beside the GEMV's settings"
+    assert all(cell["grouped_padded_ms"] > 0 for cell in payload["cells"] if cell["T"] == 1)
+    assert moe_bench.main(["--quick", "--tokens", "2x1", "--out", str(tmp_path / "moe_cells.json")]) == 0
+    with open(tmp_path / "moe_cells.json") as f:
+        assert [cell["T"] for cell in json.load(f)["cells"]] == [2]
+    with pytest.raises(SystemExit, match="not BxW"):
+        list(moe_bench.parse_tokens(["1x0"]))
 
 
 def test_gemma4_tiny_measures_plain_and_round_phases_losslessly_over_a_ring(tmp_path):
