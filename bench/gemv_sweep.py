@@ -11,8 +11,7 @@ end, the K-split sum included) over `C`. `busy_us` is the kernels' own time with
 
 Forms: `bf16` (x @ W in bf16), `auto` (`quant_matmul(impl="auto")`), `default` (`GEMV_TILES` for one row,
 `DOT_TILES` for more), for one row `dot16` (the row padded into the 16-row product kernel), the sweep
-`<gemv|dot>_<block_n>x<block_k>_w<warps>_p<programs>[_unroll][_late][_evict]` (`_late`: `Tiles.late_scale`, swept
-for the block formats' product), and, for one int8 row,
+`<gemv|dot>_<block_n>x<block_k>_w<warps>_p<programs>[_unroll][_evict]`, and, for one int8 row,
 `T<block_n>x<block_k>_w<warps>_p<programs>`: a GEMV over the transposed weight `[N, K]` (a layout the package does
 not store; it tells whether the layout is what holds the kernel back). The three best settings of the first pass
 are timed again with `evict_first` loads (and, for one row, looped).
@@ -51,8 +50,7 @@ GRID = [(128, 16, 1), (256, 8, 1), (256, 16, 2), (512, 8, 2), (128, 32, 2), (256
 32 to 64."""
 PROGRAMS = (528, 1056, 2112)
 DOT_GRID = [(64, 128, 4), (128, 128, 4), (128, 64, 4), (128, 256, 8), (256, 64, 8), (64, 256, 4)]
-"""(block_n, block_k, num_warps) of the product kernel at more rows, each looped (3 stages) and unrolled, and for the
-block formats each with the weights scaled and with the products scaled (`late_scale`)."""
+"""(block_n, block_k, num_warps) of the product kernel at more rows, each looped (3 stages) and unrolled."""
 DOT_PROGRAMS = (264, 528)
 T_GRID = [(8, 1024, 4), (16, 512, 4), (32, 256, 4), (16, 256, 2), (64, 256, 8)]
 """(block_n, block_k, num_warps) of the transposed GEMV."""
@@ -96,16 +94,13 @@ def split_share(k: int, n: int, tiles: qmm.Tiles, rows: int) -> float:
     return splits * n * 4 * (1 if rows == 1 else max(16, rows)) / (k * n)
 
 
-def grid_tiles(rows: int, fmt: str, tiny: bool) -> list:
-    """The first pass's settings: unrolled GEMVs for one row; for more, the product kernel looped and unrolled,
-    each with early and late scaling for the block formats."""
+def grid_tiles(rows: int, tiny: bool) -> list:
+    """The first pass's settings: unrolled GEMVs for one row; the product kernel looped and unrolled for more."""
     if rows == 1:
         grid, programs = (GRID[:2], (4, 8)) if tiny else (GRID, PROGRAMS)
         return [qmm.Tiles(bn, bk, p, w, 1, unroll=True) for bn, bk, w in grid for p in programs]
     grid, programs = (DOT_GRID[:1], (4,)) if tiny else (DOT_GRID, DOT_PROGRAMS)
-    lates = (False,) if fmt == "int8" else (False, True)
-    return [qmm.Tiles(bn, bk, p, w, 3, unroll=u, late_scale=late) for bn, bk, w in grid for p in programs
-            for u in (False, True) for late in lates]
+    return [qmm.Tiles(bn, bk, p, w, 3, unroll=u) for bn, bk, w in grid for p in programs for u in (False, True)]
 
 
 def forms(k: int, n: int, fmt: str, rows: int, interpret: bool, tiny: bool, quick: bool) -> dict:
@@ -121,9 +116,8 @@ def forms(k: int, n: int, fmt: str, rows: int, interpret: bool, tiny: bool, quic
         out["dot16"] = (lambda a, d, s, w, dt: kernel(jnp.pad(a, ((0, 15), (0, 0))), d, s)[:1], None)
     if quick:
         return out
-    for tiles in grid_tiles(rows, fmt, tiny):
-        small_splits = tiny or split_share(k, n, tiles, rows) <= MAX_SPLIT_SHARE  # tiny K: every split is large
-        if small_splits and (fmt == "int8" or tiles.block_k % qmm.BLOCK == 0):
+    for tiles in grid_tiles(rows, tiny):
+        if split_share(k, n, tiles, rows) <= MAX_SPLIT_SHARE and (fmt == "int8" or tiles.block_k % qmm.BLOCK == 0):
             out[label(tiles, rows)] = (lambda a, d, s, w, dt, t=tiles: kernel(a, d, s, tiles=t), tiles)
     if rows == 1 and fmt == "int8":
         for bn, bk, warps in T_GRID:
@@ -135,7 +129,7 @@ def forms(k: int, n: int, fmt: str, rows: int, interpret: bool, tiny: bool, quic
 
 def label(t: qmm.Tiles, rows: int) -> str:
     return (f"{'gemv' if rows == 1 else 'dot'}_{t.block_n}x{t.block_k}_w{t.num_warps}_p{t.programs}"
-            + ("_unroll" if t.unroll else "") + ("_late" if t.late_scale else "") + ("_evict" if t.evict else ""))
+            + ("_unroll" if t.unroll else "") + ("_evict" if t.evict else ""))
 
 
 def clusters(events: list) -> list:

@@ -5,10 +5,10 @@
 Geometries: Qwen3.5-35B-A3B (E 256, H 2048, I 512, k 8, shared expert 512) and a sanity point with
 2048x1536 gate/up experts (Qwen3-30B-A3B: E 128, H 2048, I 768, k 8; given the same shared expert, since
 `moe_block` always has one); `--geometry` picks some. Tokens T = batch x verify width in (1x1, 3x1, 1x16,
-3x16, 4x16, 8x16), or those `--tokens` names, random bf16 weights and a random router.
+3x16, 4x16, 8x16), random bf16 weights and a random router.
 (0) `--sweep`: `expert_matmul` alone (pallas_kernels/expert_matmul.py), the gate/up and the down product of
-the first geometry, per tile setting, at 1 token (the GEMV's settings, and the padded tensor-core kernel at its
-defaults, `gemv: false`) and at 16: microseconds a call and the live experts' bytes over that time.
+the first geometry, per tile setting, at 1 and 16 tokens: microseconds a call and the live experts' bytes
+over that time.
 (1) Agreement: per geometry and T, every impl against `impl="gather"`, max abs error over
 the largest magnitude; above 2e-2 the run fails (exit status 1) after the report.
 (2) `cells`: per geometry and T, `<impl>_ms` is the device time of one `moe_block` call
@@ -19,8 +19,7 @@ times one expert's bytes, plus the shared expert and the router.
 `<impl>_TBps` is those bytes over the time, and `<impl>_over_read_bw` the same over the GEMV
 weight-streaming bandwidth measured in this run (`common.hbm_read_bandwidth`). `gate_up_dot_ms` times
 the first `ragged_dot` alone (the T*k sorted rows by `w_gate_up`), timed the same way.
-`faster` names the faster impl per cell. At one token `grouped_padded_ms` times `"grouped"` with the row padded
-into the tensor-core kernel (`expert_matmul.GEMV` off), the form before the GEMV.
+`faster` names the faster impl per cell.
 `--quick` (alias `--tiny`) runs tiny shapes on the CPU: it tests the script, not the speed.
 """
 from __future__ import annotations
@@ -49,8 +48,6 @@ TOKENS = ((1, 1), (3, 1), (1, 16), (3, 16), (4, 16), (8, 16))  # (batch, verify 
 QUICK_TOKENS = ((1, 1), (3, 4))
 SWEEP = {"block_k": (128, 256), "block_n": (32, 64, 128), "num_warps": (4,), "num_stages": (3, 4)}
 QUICK_SWEEP = {"block_k": (16,), "block_n": (16,), "num_warps": (4,), "num_stages": (3,)}
-GEMV_SWEEP = {"block_k": (8, 16, 32), "block_n": (128, 256, 512), "num_warps": (4,), "target_programs": (528, 1056)}
-QUICK_GEMV_SWEEP = {"block_k": (8,), "block_n": (16, 32), "num_warps": (4,), "target_programs": (4,)}
 
 
 def random_params(key, geo: dict) -> dict:
@@ -136,27 +133,19 @@ def time_cells(key, geos: dict, tokens, read_bw: float, iters: int, inner: int) 
                 row[f"{impl}_ms"] = ms
                 row[f"{impl}_TBps"] = row["bytes"] / (ms * 1e-3) / 1e12
                 row[f"{impl}_over_read_bw"] = row["bytes"] / (ms * 1e-3) / read_bw
-            if b * w == 1:
-                em.GEMV = False
-                try:
-                    row["grouped_padded_ms"] = per_call_ms(block_fn(geo, "grouped"), x, params, iters, inner)
-                finally:
-                    em.GEMV = True
             row["gate_up_dot_ms"] = gate_up_dot_ms(x, params, geo, iters, inner)
             row["faster"] = min(moe.MOE_IMPLS, key=lambda impl: row[f"{impl}_ms"])
             cells.append(row)
             times = " ".join(f"{impl}={row[f'{impl}_ms']:.4f}ms ({row[f'{impl}_TBps']:.2f} TB/s)"
                              for impl in moe.MOE_IMPLS)
-            padded = f" grouped_padded={row['grouped_padded_ms']:.4f}ms" if "grouped_padded_ms" in row else ""
-            print(f"time {name} T={b * w:3d} distinct={distinct:6.1f} {times}{padded} "
+            print(f"time {name} T={b * w:3d} distinct={distinct:6.1f} {times} "
                   f"gate_up_dot={row['gate_up_dot_ms']:.4f}ms", flush=True)
     return cells
 
 
-def sweep_tiles(key, geo: dict, grid: dict, gemv_grid: dict, iters: int, inner: int) -> list[dict]:
+def sweep_tiles(key, geo: dict, grid: dict, iters: int, inner: int) -> list[dict]:
     """`expert_matmul` alone (the gate/up and the down product of one geometry) per tile setting, at 1 token
-    (k live groups of 1 row: the GEMV's `gemv_grid`, and the padded kernel at its defaults) and at 16 (`grid`; the
-    distinct experts of 16 random routings, groups of up to 16 rows)."""
+    (k live groups of 1 row) and at 16 (the distinct experts of 16 random routings, groups of up to 16 rows)."""
     params = random_params(key, geo)
     rows = []
     for t in (1, 16):
@@ -168,25 +157,15 @@ def sweep_tiles(key, geo: dict, grid: dict, gemv_grid: dict, iters: int, inner: 
         for name, w in (("gate_up", params["w_gate_up"]), ("down", params["w_down"])):
             x = jax.random.normal(jax.random.fold_in(key, t), (groups, t, w.shape[1]), jnp.bfloat16)
             live_bytes = int(uniq.shape[0]) * w.shape[1] * w.shape[2] * 2
-            table = gemv_grid if t == 1 else grid
-            settings = [dict(zip(table, tiles)) for tiles in itertools.product(*table.values())]
-            settings = [{"gemv": False}] + settings if t == 1 else settings
-            for setting in settings:
+            for tiles in itertools.product(*grid.values()):
+                setting = dict(zip(grid, tiles))
+
                 us = common.per_call_us(functools.partial(em.expert_matmul, expert=expert, impl="pallas", **setting),
                                         x, (w,), iters, inner)
                 rows.append({"T": t, "product": name, **setting, "us": us, "live_experts": int(uniq.shape[0]),
                              "TBps": live_bytes / (us * 1e-6) / 1e12})
                 print(f"sweep T={t:2d} {name:7s} {setting} {us:8.2f} us {rows[-1]['TBps']:.2f} TB/s", flush=True)
     return rows
-
-
-def parse_tokens(cells: list[str]):
-    """`BxW` strings -> (batch, width) pairs, each at least 1; anything else is refused by name."""
-    for cell in cells:
-        b, _, w = cell.partition("x")
-        if not (b.isdigit() and w.isdigit() and int(b) >= 1 and int(w) >= 1):
-            raise SystemExit(f"moe: --tokens {cell!r} is not BxW with positive integers (e.g. 1x1 or 3x16).")
-        yield int(b), int(w)
 
 
 def main(argv=None) -> int:
@@ -198,11 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time expert_matmul's tile settings (first geometry)")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append",
                     help="time only these geometries (repeatable; default all)")
-    ap.add_argument("--tokens", nargs="+", metavar="BxW", help="time only these batch x width cells (e.g. 1x1 1x16)")
     args = ap.parse_args(argv)
     geos, tokens = (QUICK, QUICK_TOKENS) if args.quick else (GEOMETRIES, TOKENS)
-    if args.tokens:
-        tokens = tuple(parse_tokens(args.tokens))
     if args.geometry and not args.quick:
         geos = {name: geo for name, geo in geos.items() if name in args.geometry}
     iters, inner = (2, 2) if args.quick else (args.iters, args.inner)
@@ -214,7 +190,7 @@ def main(argv=None) -> int:
                    grouped_max_tokens=moe.GROUPED_MAX_TOKENS)
     if args.sweep:
         payload["sweep"] = sweep_tiles(key, next(iter(geos.values())), QUICK_SWEEP if args.quick else SWEEP,
-                                       QUICK_GEMV_SWEEP if args.quick else GEMV_SWEEP, iters, inner)
+                                       iters, inner)
     payload["checks"] = check_agreement(key, geos, tokens)
     payload["cells"] = time_cells(key, geos, tokens, read_bw, iters, inner)
     payload["faster_by_T"] = {name: {str(c["T"]): c["faster"] for c in payload["cells"] if c["geometry"] == name}

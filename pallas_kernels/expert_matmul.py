@@ -2,8 +2,7 @@
 
     out[g] = x[g] @ w[expert[g]]        (float32 accumulation; groups with expert[g] < 0 give zeros)
 
-x `[G, M, K]` (M rows per group, zero-padded; or `[1, M, K]`, the same rows for every group, as a decode step's
-one token meets each of its k experts), w `[E, K, N]`, expert int32 `[G]`. The MoE block of a
+x `[G, M, K]` (M rows per group, zero-padded), w `[E, K, N]`, expert int32 `[G]`. The MoE block of a
 hybrid target (dflash_jax/targets/moe.py, `impl="grouped"`) sorts its T*k (token, expert) rows by
 expert into groups, one per distinct expert, so each chosen expert is read once however many of
 the block's tokens chose it. That is what a decode step (1 token, 8 experts) and a verify (16 tokens,
@@ -15,10 +14,7 @@ and a gather copies each expert per token.
 so nothing is copied) in `[BLOCK_K, BLOCK_N]` tiles, software-pipelined; a dead group's program
 runs no tile and writes zeros. Grid: (group, output tile, K split). A decode step has only k
 groups of one row, so K is split until the grid has about `TARGET_PROGRAMS` programs (the H200
-has 132 SMs); the splits' partial products are summed afterwards, in a fixed order. Groups of one
-row take a GEMV instead (`gemv`): multiply-adds into a `[GEMV_BLOCK_K, GEMV_BLOCK_N]` float32
-accumulator in straight-line code and one sum over K at the end, as `quant_matmul`'s GEMV does,
-where the tensor-core tile would pad the row to 16 (a pad kernel, and 15 rows of wasted work).
+has 132 SMs); the splits' partial products are summed afterwards, in a fixed order.
 
 Lowering: Triton. The expert index selects the matrix inside the kernel, a dynamic offset on
 the weight's leading axis; Mosaic GPU on JAX 0.11 takes block offsets only from the grid
@@ -32,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.windowed_attention import SMEM_BYTES, _triton_compiler_params, where_lowered
 
@@ -47,13 +42,6 @@ BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 TARGET_PROGRAMS = 264
-GEMV = True
-"""Groups of one row take the GEMV; False gives them the padded tensor-core kernel (for comparison)."""
-# The one-row GEMV's settings: quant_matmul.GEMV_TILES, the best of bench/gemv_sweep.py for one int8 row.
-GEMV_BLOCK_K = 16
-GEMV_BLOCK_N = 256
-GEMV_NUM_WARPS = 4
-GEMV_PROGRAMS = 1056
 
 
 def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = "xla",
@@ -63,8 +51,7 @@ def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = 
     x `[G, M, K]` and w `[E, K, N]` share a floating dtype; expert int `[G]` in `[-1, E)`. float32
     inputs multiply at full float32 precision. `interpret` as in `block_attention`: None runs the
     kernel compiled on CUDA and interpreted elsewhere. `tiles` (block_k, block_n, num_warps,
-    num_stages, target_programs, and `gemv`: whether one-row groups take the GEMV) override the
-    module's settings, for sweeps."""
+    num_stages, target_programs) override the module's settings, for sweeps."""
     _check(x, w, expert, impl)
     expert = expert.astype(jnp.int32)
     if impl == "xla":
@@ -77,7 +64,6 @@ def _precision(dtype):
 
 
 def _reference(x, w, expert):
-    x = jnp.broadcast_to(x, (expert.shape[0],) + x.shape[1:])
     mats = jnp.take(w, jnp.maximum(expert, 0), axis=0)
     out = jnp.einsum("gmk,gkn->gmn", x, mats, precision=_precision(x.dtype), preferred_element_type=jnp.float32)
     return jnp.where((expert >= 0)[:, None, None], out, 0.0)
@@ -109,24 +95,18 @@ def _splits(programs: int, k_steps: int, target: int) -> int:
     return max(d for d in range(1, want + 1) if k_steps % d == 0)
 
 
-def _pallas(x, w, expert, *, interpret, gemv: bool | None = None, **tiles):
-    """The GEMV for groups of one row (where `gemv`, default `GEMV`), else the tensor-core kernel."""
-    if (GEMV if gemv is None else gemv) and x.shape[1] == 1:
-        return _pallas_gemv(x, w, expert, interpret=interpret, **tiles)
-    return _pallas_dot(x, w, expert, interpret=interpret, **tiles)
-
-
-def _pallas_dot(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
-                num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, target_programs: int = TARGET_PROGRAMS):
+def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
+            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, target_programs: int = TARGET_PROGRAMS):
     """Pad rows to `padded_rows`, K and N to their tiles (zeros add nothing), run the grid, sum the splits, crop."""
-    g, m, k = expert.shape[0], x.shape[1], x.shape[2]
+    g, m, k = x.shape
     n = w.shape[2]
     mp = padded_rows(m)
     block_k, block_n, num_stages = fit_tiles(mp, x.dtype.itemsize, min(block_k, max(16, pl.next_power_of_2(k))),
                                              min(block_n, max(16, pl.next_power_of_2(n))), num_stages)
     kp, np_ = _round_up(k, block_k), _round_up(n, block_n)
     x = jnp.pad(x, ((0, 0), (0, mp - m), (0, kp - k)))
-    w = _pad_weights(w, kp, np_)
+    if (kp, np_) != (k, n):
+        w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
     n_tiles = np_ // block_n
     splits = _splits(g * n_tiles, kp // block_k, target_programs)
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, steps=kp // block_k // splits,
@@ -136,7 +116,7 @@ def _pallas_dot(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int
         grid=(g, n_tiles, splits),
         in_specs=[
             pl.BlockSpec((None,), lambda i, j, s: (i,)),
-            pl.BlockSpec((None, mp, kp), _group_rows(x)),
+            pl.BlockSpec((None, mp, kp), lambda i, j, s: (i, 0, 0)),
             pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, mp, block_n), lambda i, j, s: (s, i, 0, j)),
@@ -146,70 +126,6 @@ def _pallas_dot(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int
         name="expert_matmul",
     )(expert, x, w)
     return jnp.sum(out, axis=0)[:, :m, :n]
-
-
-def _group_rows(x):
-    """The index map of x's block: group i's rows, or the one shared group's."""
-    if x.shape[0] == 1:
-        return lambda i, j, s: (0, 0, 0)
-    return lambda i, j, s: (i, 0, 0)
-
-
-def _pad_weights(w, kp: int, np_: int):
-    k, n = w.shape[1:]
-    return w if (kp, np_) == (k, n) else jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
-
-
-def _gemv_kernel(e_ref, x_ref, w_ref, o_ref, *, block_k, steps):
-    """One (group, output tile, K split) of one-row groups: `steps` `[block_k, block_n]` tiles of the group's
-    expert, each times x's matching column slice into a float32 accumulator (straight-line code, every load issued
-    before the arithmetic waits on the first; the weights, read once, marked first out of the L2 cache), summed
-    over K at the end."""
-    e = e_ref[()]
-    block_n = o_ref.shape[-1]
-    cols = pl.ds(pl.program_id(1) * block_n, block_n)
-    first = pl.program_id(2) * steps
-
-    @pl.when(e >= 0)
-    def _live():
-        acc = jnp.zeros((block_k, block_n), jnp.float32)
-        for t in range(steps):
-            rows = pl.ds((first + t) * block_k, block_k)
-            tile = plt.load(w_ref.at[e, rows, cols], eviction_policy="evict_first")
-            acc = acc + x_ref[rows, :].astype(jnp.float32) * tile.astype(jnp.float32)
-        o_ref[...] = jnp.sum(acc, axis=0, keepdims=True)
-
-    @pl.when(e < 0)
-    def _dead():
-        o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
-
-
-def _pallas_gemv(x, w, expert, *, interpret, block_k: int = GEMV_BLOCK_K, block_n: int = GEMV_BLOCK_N,
-                 num_warps: int = GEMV_NUM_WARPS, target_programs: int = GEMV_PROGRAMS, num_stages: int = 1):
-    """Groups of one row: pad K and N to their tiles, run the (group, output tile, K split) grid, sum the splits."""
-    g, k, n = expert.shape[0], x.shape[2], w.shape[2]
-    block_k = min(block_k, max(1, pl.next_power_of_2(k)))
-    block_n = min(block_n, max(16, pl.next_power_of_2(n)))
-    kp, np_ = _round_up(k, block_k), _round_up(n, block_n)
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, kp - k))).reshape(x.shape[0], kp, 1)  # each row as a column
-    w = _pad_weights(w, kp, np_)
-    n_tiles = np_ // block_n
-    splits = _splits(g * n_tiles, kp // block_k, target_programs)
-    out = pl.pallas_call(
-        functools.partial(_gemv_kernel, block_k=block_k, steps=kp // block_k // splits),
-        grid=(g, n_tiles, splits),
-        in_specs=[
-            pl.BlockSpec((None,), lambda i, j, s: (i,)),
-            pl.BlockSpec((None, kp, 1), _group_rows(x)),
-            pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, 1, block_n), lambda i, j, s: (s, i, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, g, 1, np_), jnp.float32),
-        compiler_params=_triton_compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="expert_gemv",
-    )(expert, x, w)
-    return jnp.sum(out, axis=0)[:, :, :n]
 
 
 def smem_bytes(rows: int, itemsize: int, block_k: int, block_n: int, num_stages: int) -> int:
@@ -249,10 +165,9 @@ def _check(x, w, expert, impl) -> None:
     """Refuse a bad impl, dtype or shape here, with a sentence, instead of deep inside XLA."""
     if impl not in IMPLS:
         raise ValueError(f"expert_matmul: impl={impl!r} is not supported; choose one of {IMPLS}.")
-    if (x.ndim != 3 or w.ndim != 3 or expert.ndim != 1 or x.shape[2] != w.shape[1]
-            or x.shape[0] not in (1, expert.shape[0])):
-        raise ValueError(f"expert_matmul: takes x [G, M, K] (or [1, M, K], shared by every group), w [E, K, N] and "
-                         f"expert [G]; got x {x.shape}, w {w.shape}, expert {expert.shape}.")
+    if x.ndim != 3 or w.ndim != 3 or expert.ndim != 1 or x.shape[2] != w.shape[1] or expert.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_matmul: takes x [G, M, K], w [E, K, N] and expert [G]; got x {x.shape}, "
+                         f"w {w.shape}, expert {expert.shape}.")
     if x.dtype != w.dtype or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"expert_matmul: x and w must share one floating dtype; got {x.dtype} and {w.dtype}.")
     if not jnp.issubdtype(expert.dtype, jnp.integer):

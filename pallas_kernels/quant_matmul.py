@@ -76,10 +76,7 @@ class Tiles(NamedTuple):
     """A kernel's tile settings: the largest column and K tiles (each shrinks to the largest power of two that
     divides its dimension), the programs K is split towards, and Triton's warps and pipeline stages. `unroll`
     walks a program's K tiles in straight-line code instead of a loop, so every tile's load is issued before the
-    arithmetic that waits on it; `evict` marks the packed weights, read once, first out of the L2 cache.
-    `late_scale` (the product kernel, block formats) multiplies each block's `[bm, bn]` product by its scales
-    instead of the `[32, bn]` weight block: the values go to the tensor cores unscaled (exact: every int8 and
-    nibble is a bf16), and the scales need no expansion to the tile's rows."""
+    arithmetic that waits on it; `evict` marks the packed weights, read once, first out of the L2 cache."""
 
     block_n: int
     block_k: int
@@ -88,7 +85,6 @@ class Tiles(NamedTuple):
     num_stages: int
     unroll: bool = False
     evict: bool = False
-    late_scale: bool = False
 
 
 # GEMV_TILES: the least time per layer of bench/gemv_sweep.py (bench/results/gemv_sweep.json, one int8 row, CUPTI
@@ -274,11 +270,10 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, block_k: int, steps: i
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, steps: int, unroll: bool,
-            evict: bool, late_scale: bool):
+            evict: bool):
     """Rows 2 to `MAX_ROWS`: (row tile, column tile, K split) walks `steps` tiles of `block_k` inputs (a loop,
-    or straight-line code when `unroll`), multiplied on the tensor cores with float32 accumulation. Each tile is
-    dequantised and rounded to the compute dtype, or (`late_scale`, block formats) each block's unscaled values are
-    multiplied and the product scaled.
+    or straight-line code when `unroll`), each dequantised tile rounded to the compute dtype and multiplied on the
+    tensor cores, float32 accumulation.
 
     x_ref: [bm, Ks] ([2, bm, Ks/2] for q4_0); w_ref: [Ks, bn] ([Ks/2, bn] for q4_0); s_ref: [Ks/32, bn]
     ([1, bn] for int8); o_ref: [bm, bn] float32."""
@@ -291,28 +286,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, step
             acc = acc + dot(_x_tile(x_ref, plane, start, length, fmt, column=False).astype(compute), w.astype(compute))
         return acc
 
-    def late_step(t, acc):
-        for b in range(block_k // BLOCK):
-            part = None
-            for plane, (start, length, q) in enumerate(_block_values(w_ref, t * (block_k // BLOCK) + b, fmt, evict)):
-                d = dot(_x_tile(x_ref, plane, start, length, fmt, column=False).astype(compute), q.astype(compute))
-                part = d if part is None else part + d
-            acc = acc + part * s_ref[pl.ds(t * (block_k // BLOCK) + b, 1), :].astype(f32)
-        return acc
-
-    late = late_scale and fmt != "int8"
-    y = _walk(late_step if late else step, steps, jnp.zeros(o_ref.shape, f32), unroll)
+    y = _walk(step, steps, jnp.zeros(o_ref.shape, f32), unroll)
     o_ref[...] = y * s_ref[...].astype(f32) if fmt == "int8" else y
-
-
-def _block_values(w_ref, b: int, fmt: str, evict: bool):
-    """Block `b`'s unscaled values with the slice of x's columns each meets: `[(start, length, values)]`, one
-    `[32, bn]` int8 tile for q8_0, two `[16, bn]` nibble planes (offset removed) for q4_0."""
-    if fmt == "q8_0":
-        return [(b * BLOCK, BLOCK, _rows(w_ref, b * BLOCK, BLOCK, evict))]
-    half = BLOCK // 2
-    packed = _rows(w_ref, b * half, half, evict)
-    return [(b * half, half, nibbles.astype(jnp.int8) - jnp.int8(8)) for nibbles in (packed & 0xF, packed >> 4)]
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -382,7 +357,7 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
                                    evict=tiles.evict)
     else:
         kernel = functools.partial(_kernel, fmt=fmt, compute=compute, block_k=bk, steps=ks // bk, unroll=tiles.unroll,
-                                   evict=tiles.evict, late_scale=tiles.late_scale)
+                                   evict=tiles.evict)
     partial_sums = pl.pallas_call(
         kernel,
         grid=(m_tiles, n_tiles, k_splits),

@@ -253,15 +253,6 @@ def test_moe_bench_checks_every_impl_against_the_gather_and_sweeps_the_kernel(tm
     assert all(cell[f"{impl}_ms"] > 0 for cell in payload["cells"] for impl in moe.MOE_IMPLS)
     assert {(row["T"], row["product"]) for row in payload["sweep"]} == {(1, "gate_up"), (1, "down"), (16, "gate_up"),
                                                                        (16, "down")}
-    one = [row for row in payload["sweep"] if row["T"] == 1]
-    assert any(row.get("gemv") is False for row in one) and any("target_programs" in row for row in one), \
-        "one token must time the padded kernel beside the GEMV's settings"
-    assert all(cell["grouped_padded_ms"] > 0 for cell in payload["cells"] if cell["T"] == 1)
-    assert moe_bench.main(["--quick", "--tokens", "2x1", "--out", str(tmp_path / "moe_cells.json")]) == 0
-    with open(tmp_path / "moe_cells.json") as f:
-        assert [cell["T"] for cell in json.load(f)["cells"]] == [2]
-    with pytest.raises(SystemExit, match="not BxW"):
-        list(moe_bench.parse_tokens(["1x0"]))
 
 
 def test_gemma4_tiny_measures_plain_and_round_phases_losslessly_over_a_ring(tmp_path):
@@ -333,23 +324,6 @@ def test_gemv_sweep_times_every_form_against_the_reference(tmp_path):
             "the second pass (looped and evicting variants of the best) did not run"
         for c in cells:
             assert c["wall_us"] > 0 and c["TBps"] > 0
-            assert c["rel_err"] < 2e-2, f"{wname} {c['form']} disagrees with the reference"
-
-
-def test_gemv_sweep_of_a_q8_0_block_times_early_and_late_scaling_against_the_reference(tmp_path):
-    import gemv_sweep
-
-    payload = gemv_sweep.main(["--tiny", "--rows", "16", "--fmt", "q8_0", "--reps", "1", "--out", str(tmp_path)])
-    assert (tmp_path / "gemv_sweep_q8_0_16_tiny.json").is_file()
-    for wname in gemv_sweep.TINY_SHAPES:
-        cells = payload["weights"][wname]["cells"]
-        forms = {c["form"] for c in cells}
-        assert not payload["weights"][wname]["failed"]
-        dots = [f for f in forms if f.startswith("dot_")]
-        assert {"bf16", "auto", "default"} <= forms and "dot16" not in forms
-        assert any("_late" in f for f in dots) and any("_late" not in f for f in dots)
-        assert any(f.endswith("_evict") for f in dots), "the second pass (evicting variants of the best) did not run"
-        for c in cells:
             assert c["rel_err"] < 2e-2, f"{wname} {c['form']} disagrees with the reference"
 
 

@@ -242,29 +242,6 @@ def test_the_gemvs_unrolled_walk_and_evicting_loads_give_the_loops_sums(fmt):
     np.testing.assert_allclose(want, exact, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", qmm.FORMATS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_late_scaling_multiplies_the_blocks_unscaled_values_and_gets_the_same_product(fmt, dtype):
-    """`Tiles.late_scale` scales each block's product instead of its weights: the same product, up to the rounding
-    of the scaled weight to the compute dtype that it skips (float32: to float32 rounding); int8's scales already
-    come after the sums, so it changes no bit there."""
-    rng = np.random.RandomState(8)
-    data, scales = _random_packed(rng, 256, 64, fmt)
-    x = jnp.asarray(rng.randn(16, 256), dtype)
-    tiles = qmm.Tiles(block_n=32, block_k=64, programs=4, num_warps=4, num_stages=3)
-    run = lambda t: np.asarray(qmm._pallas_matmul(x, data, scales, fmt=fmt, compute=jnp.dtype(dtype),
-                                                  interpret=True, tiles=t), np.float64)
-    early = run(tiles)
-    for variant in (tiles._replace(late_scale=True), tiles._replace(late_scale=True, unroll=True, evict=True)):
-        late = run(variant)
-        if fmt == "int8":
-            assert np.array_equal(late, early)
-        exact = np.asarray(x, np.float64) @ np.asarray(qmm.dequantize(data, scales, fmt), np.float64)
-        tol = 1e-5 if dtype == jnp.float32 else 2e-2 * np.abs(exact).max()
-        np.testing.assert_allclose(late, exact, rtol=1e-5, atol=tol)
-        np.testing.assert_allclose(late, early, rtol=1e-5, atol=tol)
-
-
 def test_int8_takes_k_tiles_under_a_block_and_the_block_formats_round_them_up_to_one():
     rng = np.random.RandomState(6)
     x = jnp.asarray(rng.randn(1, 256), jnp.float32)
@@ -342,12 +319,6 @@ def test_kernel_lowers_to_triton_for_cuda():
             fn = jax.jit(lambda a, d, s: qmm.quant_matmul(a, d, s, fmt, impl="pallas"))
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("__gpu$xla.gpu.triton") == 1, f"{fmt} rows {m}: no Triton call"
-            if m > 1:
-                late = qmm.DOT_TILES._replace(late_scale=True, unroll=True, evict=True)
-                fn = jax.jit(lambda a, d, s: qmm._pallas_matmul(a, d, s, fmt=fmt, compute=jnp.dtype(jnp.bfloat16),
-                                                                interpret=False, tiles=late))
-                text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-                assert text.count("__gpu$xla.gpu.triton") == 1, f"{fmt} rows {m}, late scaling: no Triton call"
 
 
 def test_auto_takes_the_measured_form_and_its_column_reduction_equals_the_reference(monkeypatch):
