@@ -117,7 +117,8 @@ def forms(k: int, n: int, fmt: str, rows: int, interpret: bool, tiny: bool, quic
     if quick:
         return out
     for tiles in grid_tiles(rows, tiny):
-        if split_share(k, n, tiles, rows) <= MAX_SPLIT_SHARE and (fmt == "int8" or tiles.block_k % qmm.BLOCK == 0):
+        small_splits = tiny or split_share(k, n, tiles, rows) <= MAX_SPLIT_SHARE  # tiny K: every split is large
+        if small_splits and (fmt == "int8" or tiles.block_k % qmm.BLOCK == 0):
             out[label(tiles, rows)] = (lambda a, d, s, w, dt, t=tiles: kernel(a, d, s, tiles=t), tiles)
     if rows == 1 and fmt == "int8":
         for bn, bk, warps in T_GRID:

@@ -327,6 +327,25 @@ def test_gemv_sweep_times_every_form_against_the_reference(tmp_path):
             assert c["rel_err"] < 2e-2, f"{wname} {c['form']} disagrees with the reference"
 
 
+def test_gemv_sweep_of_a_q8_0_block_times_the_product_kernels_settings_against_the_reference(tmp_path):
+    """`--rows 16` sweeps the product kernel (a drafter's block); at tiny K every K split is large, which must not
+    leave the sweep with no setting to time."""
+    import gemv_sweep
+
+    payload = gemv_sweep.main(["--tiny", "--rows", "16", "--fmt", "q8_0", "--reps", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "gemv_sweep_q8_0_16_tiny.json").is_file()
+    for wname in gemv_sweep.TINY_SHAPES:
+        cells = payload["weights"][wname]["cells"]
+        forms = {c["form"] for c in cells}
+        assert not payload["weights"][wname]["failed"]
+        dots = [f for f in forms if f.startswith("dot_")]
+        assert {"bf16", "auto", "default"} <= forms and "dot16" not in forms
+        assert any("_unroll" in f for f in dots) and any("_unroll" not in f for f in dots)
+        assert any(f.endswith("_evict") for f in dots), "the second pass (evicting variants of the best) did not run"
+        for c in cells:
+            assert c["rel_err"] < 2e-2, f"{wname} {c['form']} disagrees with the reference"
+
+
 def test_gemv_sweep_splits_a_trace_into_runs_at_idle_gaps():
     import gemv_sweep
 
