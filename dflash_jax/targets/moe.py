@@ -4,7 +4,8 @@ Semantics of transformers' `Qwen3NextSparseMoeBlock`: router logits `x @ router`
 softmax in float32, top-k, optionally renormalised to sum 1, weights cast to x's dtype. Each chosen
 expert e is a SwiGLU MLP (`w_gate_up[e] [H, 2I]`, `w_down[e] [I, H]`); the block output is
 `sum_k weight_k * expert_k(x) + sigmoid(x @ shared_gate) * shared_swiglu(x)`. Weights are `[in, out]`.
-Gemma-4 (`gemma4.py`) routes its own way around `route` and runs `experts` with a tanh-GELU gate.
+Gemma-4 (`gemma4.py`) routes its own way around `route` and runs `experts` with a tanh-GELU gate. After the
+router's product, a GPU routes in one kernel (`pallas_kernels/route_top_k.py`, `ROUTE_KERNEL`).
 
 The routed experts have three implementations (`MOE_IMPLS`), all accumulating in float32:
 - `"grouped"`: the T*k (token, expert) rows sorted by expert into one group per distinct expert, each group
@@ -23,6 +24,8 @@ import jax.numpy as jnp
 from dflash_jax.targets.layers import exact, matmul, swiglu
 from pallas_kernels.expert_matmul import expert_matmul
 from pallas_kernels.mesh import context_mesh
+from pallas_kernels.route_top_k import route_top_k
+from pallas_kernels.route_top_k import supported as route_kernel_takes
 
 MOE_IMPLS = ("grouped", "ragged", "gather")
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -34,6 +37,10 @@ GROUPED_MAX_TOKENS = 16
 at 1 / 3 / 16 tokens, against the gather's 0.127 / 0.251 / 1.068 and `ragged_dot`'s 0.446 / 0.478 / 0.603. Wider
 blocks keep `ragged_dot` until a full run decides: one of 3 samples a cell (the file's third run) timed 48 tokens
 at 0.82 ms grouped against 1.00 with `ragged_dot`, and reversed the 1-token order (grouped 0.116, gather 0.061)."""
+
+ROUTE_KERNEL = True
+"""Whether a GPU routes with `pallas_kernels/route_top_k.py`'s kernel (softmax, top-k and renormalisation in one
+kernel) instead of XLA's five."""
 
 PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
 
@@ -55,11 +62,15 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -
     Probabilities are a float32 softmax of the logits; with `norm_topk_prob` the k chosen ones are
     rescaled to sum 1, else they keep their share of the whole softmax."""
     _check_route(x, w_router, top_k, norm_topk_prob)
-    probs = jax.nn.softmax(matmul(x, w_router).astype(jnp.float32), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, int(top_k))
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights.astype(x.dtype), chosen.astype(jnp.int32)
+    return route_top_k(matmul(x, w_router), int(top_k), norm_topk_prob, x.dtype,
+                       impl=route_impl(w_router.shape[1], int(top_k)))
+
+
+def route_impl(num_experts: int, top_k: int, backend: str | None = None) -> str:
+    """`route_top_k`'s impl: the kernel on a GPU where it takes the shape (`ROUTE_KERNEL`), else the reference (off
+    a GPU the kernel would run interpreted; under a mesh of several devices XLA's partitioner splits the rows)."""
+    on_gpu = (backend or jax.default_backend()) == "gpu" and context_mesh() is None
+    return "pallas" if ROUTE_KERNEL and on_gpu and route_kernel_takes(num_experts, top_k) else "xla"
 
 
 def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
@@ -211,5 +222,5 @@ def _check_block(x, params, impl) -> None:
                          f"{params['shared_gate'].shape} do not fit H = {h}; expected [{h}, 2Is], [Is, {h}], [{h}, 1].")
 
 
-__all__ = ["ACTIVATIONS", "GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "default_impl", "experts", "moe_block",
-           "route"]
+__all__ = ["ACTIVATIONS", "GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "ROUTE_KERNEL", "default_impl", "experts",
+           "moe_block", "route", "route_impl"]

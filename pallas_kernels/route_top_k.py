@@ -1,0 +1,113 @@
+"""Top-k routing of a mixture of experts after the router's product, in one kernel (docs/architecture.md,
+"Pallas kernels"):
+
+    probs = softmax(float32(logits));  weights, experts = top_k(probs, k);  weights /= sum(weights) (optional)
+
+on router logits `[T, E]`; weights are returned in the requested dtype, experts as int32, both `[T, k]`, the
+k largest first and equal probabilities in expert order (`lax.top_k`'s order). `impl="xla"` is the jnp reference.
+On a GPU XLA makes five kernels of it: the softmax, a sort of every row for `top_k`, the renormalisation and
+casts, about 8 us a layer of a decode step where each takes one or two (H200,
+bench/results/profile_round_qwen3.5-35b-a3b.json: the sort alone 4 us). `impl="pallas"` (Triton) takes one row
+a program: the softmax, k rounds of "largest, then lowest expert among the equal", the renormalisation and the
+casts on chip. Its softmax sums in another order than XLA's, so a weight can differ from the reference in the
+last bit, and so can the choice between two experts whose probabilities are that close.
+
+The kernel needs E a power of two (Triton's tiles) and k at most `MAX_TOP_K` (its rounds are unrolled);
+`supported` says whether a shape qualifies.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
+
+IMPLS = ("xla", "pallas")
+MAX_TOP_K = 16
+NUM_WARPS = 1
+"""A row of a few hundred logits is one warp's work: more warps would only add the reductions' synchronisation."""
+
+
+def supported(num_experts: int, top_k: int) -> bool:
+    """Whether the kernel takes `num_experts` router columns and `top_k` chosen experts."""
+    return num_experts & (num_experts - 1) == 0 and 1 <= top_k <= min(MAX_TOP_K, num_experts)
+
+
+def reference(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype) -> tuple[jax.Array, jax.Array]:
+    """The module docstring's routing in jnp: `(weights [T, k] in dtype, experts int32 [T, k])`."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(dtype), chosen.astype(jnp.int32)
+
+
+def route_top_k(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, *, impl: str = "xla",
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """Routing of router `logits [T, E]` (module docstring); `dtype` that of the weights (default: the logits').
+    `interpret` as for the other kernels: None runs the kernel compiled on CUDA and ROCm, interpreted elsewhere."""
+    if impl not in IMPLS:
+        raise ValueError(f"route_top_k: impl={impl!r} is not supported; choose one of {IMPLS}.")
+    if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"route_top_k: logits must be floating [T, E]; got {logits.dtype}{list(logits.shape)}.")
+    n_experts = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= n_experts:
+        raise ValueError(f"route_top_k: top_k={top_k!r} must be an int in [1, {n_experts}] (E = {n_experts}).")
+    dtype = logits.dtype if dtype is None else jnp.dtype(dtype)
+    if impl == "xla":
+        return reference(logits, int(top_k), norm_topk_prob, dtype)
+    if not supported(n_experts, int(top_k)):
+        raise ValueError(f"route_top_k: the kernel takes a power-of-two number of experts and top_k <= {MAX_TOP_K}; "
+                         f"got E = {n_experts}, top_k = {top_k}. Use impl='xla'.")
+    call = functools.partial(_pallas_route, top_k=int(top_k), norm=bool(norm_topk_prob), dtype=dtype)
+    return where_lowered(call, interpret)(logits)
+
+
+def _kernel(logits_ref, weights_ref, experts_ref, *, top_k: int, norm: bool):
+    """One row: softmax, then k rounds each taking the largest probability left (the lowest expert among equals)."""
+    logits = logits_ref[0, :].astype(jnp.float32)
+    n = logits.shape[0]
+    unnormalised = jnp.exp(logits - jnp.max(logits))
+    probs = unnormalised / jnp.sum(unnormalised)
+    expert = jnp.arange(n, dtype=jnp.int32)
+    slot = jnp.arange(weights_ref.shape[1], dtype=jnp.int32)
+    weights = jnp.zeros(slot.shape, jnp.float32)
+    chosen = jnp.zeros(slot.shape, jnp.int32)
+    left = probs
+    for j in range(top_k):
+        best = jnp.max(left)
+        first = jnp.minimum(jnp.min(jnp.where(left == best, expert, n)), n - 1)  # NaN logits: still an expert
+        weights = jnp.where(slot == j, best, weights)
+        chosen = jnp.where(slot == j, first, chosen)
+        left = jnp.where(expert == first, -1.0, left)  # probabilities are >= 0: a taken expert is never the largest
+    if norm:
+        weights = weights / jnp.sum(weights)  # the padding slots hold 0
+    weights_ref[0, :] = weights.astype(weights_ref.dtype)
+    experts_ref[0, :] = chosen
+
+
+def _row(r):
+    return r, 0
+
+
+def _pallas_route(logits, *, top_k: int, norm: bool, dtype, interpret: bool):
+    rows, n_experts = logits.shape
+    slots = 1 << max(top_k - 1, 0).bit_length()  # Triton's tiles are powers of two; the extra slots are cropped
+    weights, chosen = pl.pallas_call(
+        functools.partial(_kernel, top_k=top_k, norm=norm),
+        grid=(rows,),
+        in_specs=[pl.BlockSpec((1, n_experts), _row)],
+        out_specs=[pl.BlockSpec((1, slots), _row), pl.BlockSpec((1, slots), _row)],
+        out_shape=[jax.ShapeDtypeStruct((rows, slots), dtype), jax.ShapeDtypeStruct((rows, slots), jnp.int32)],
+        compiler_params=_triton_compiler_params(NUM_WARPS, 1),
+        interpret=interpret,
+        name="route_top_k",
+    )(logits)
+    return (weights, chosen) if slots == top_k else (weights[:, :top_k], chosen[:, :top_k])
+
+
+__all__ = ["IMPLS", "MAX_TOP_K", "reference", "route_top_k", "supported"]
