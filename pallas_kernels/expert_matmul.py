@@ -2,7 +2,8 @@
 
     out[g] = x[g] @ w[expert[g]]        (float32 accumulation; groups with expert[g] < 0 give zeros)
 
-x `[G, M, K]` (M rows per group, zero-padded), w `[E, K, N]`, expert int32 `[G]`. The MoE block of a
+x `[G, M, K]` (M rows per group, zero-padded; or `[1, M, K]`, the same rows for every group, as a decode step's
+one token meets each of its k experts), w `[E, K, N]`, expert int32 `[G]`. The MoE block of a
 hybrid target (dflash_jax/targets/moe.py, `impl="grouped"`) sorts its T*k (token, expert) rows by
 expert into groups, one per distinct expert, so each chosen expert is read once however many of
 the block's tokens chose it. That is what a decode step (1 token, 8 experts) and a verify (16 tokens,
@@ -14,7 +15,9 @@ and a gather copies each expert per token.
 so nothing is copied) in `[BLOCK_K, BLOCK_N]` tiles, software-pipelined; a dead group's program
 runs no tile and writes zeros. Grid: (group, output tile, K split). A decode step has only k
 groups of one row, so K is split until the grid has about `TARGET_PROGRAMS` programs (the H200
-has 132 SMs); the splits' partial products are summed afterwards, in a fixed order.
+has 132 SMs); the splits' partial products are summed afterwards, in a fixed order. A group of one row is read
+as it is and repeated to the tensor cores' 16 rows on chip (`ROWS_ON_CHIP`), instead of padded to 16 in memory
+by a kernel of its own before the product.
 
 Lowering: Triton. The expert index selects the matrix inside the kernel, a dynamic offset on
 the weight's leading axis; Mosaic GPU on JAX 0.11 takes block offsets only from the grid
@@ -42,6 +45,9 @@ BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 TARGET_PROGRAMS = 264
+ROWS_ON_CHIP = True
+"""Whether groups of one row are repeated to 16 on chip (no pad kernel before the product) rather than padded with
+zero rows in memory; False is the earlier form, for comparison."""
 
 
 def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = "xla",
@@ -64,6 +70,7 @@ def _precision(dtype):
 
 
 def _reference(x, w, expert):
+    x = jnp.broadcast_to(x, (expert.shape[0],) + x.shape[1:])
     mats = jnp.take(w, jnp.maximum(expert, 0), axis=0)
     out = jnp.einsum("gmk,gkn->gmn", x, mats, precision=_precision(x.dtype), preferred_element_type=jnp.float32)
     return jnp.where((expert >= 0)[:, None, None], out, 0.0)
@@ -74,15 +81,20 @@ def _kernel(e_ref, x_ref, w_ref, o_ref, *, block_k, block_n, steps, precision):
     e = e_ref[()]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
     first = pl.program_id(2) * steps
+    rows_out = max(ROWS, o_ref.shape[0])  # a one-row group's row, repeated for the tensor cores
 
     def step(t, acc):
         rows = pl.ds((first + t) * block_k, block_k)
-        return acc + jnp.dot(x_ref[:, rows], w_ref[e, rows, cols], precision=precision,
-                             preferred_element_type=jnp.float32)
+        x = jnp.broadcast_to(x_ref[:, rows], (rows_out, block_k))
+        return acc + jnp.dot(x, w_ref[e, rows, cols], precision=precision, preferred_element_type=jnp.float32)
 
     @pl.when(e >= 0)
     def _live():
-        o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
+        acc = lax.fori_loop(0, steps, step, jnp.zeros((rows_out, block_n), jnp.float32))
+        if o_ref.shape[0] < rows_out:  # every row the same: keep the first (adding zeros, exactly)
+            first_row = lax.broadcasted_iota(jnp.int32, acc.shape, 0) == 0
+            acc = jnp.sum(jnp.where(first_row, acc, 0.0), axis=0, keepdims=True)
+        o_ref[...] = acc
 
     @pl.when(e < 0)
     def _dead():
@@ -97,11 +109,13 @@ def _splits(programs: int, k_steps: int, target: int) -> int:
 
 def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, target_programs: int = TARGET_PROGRAMS):
-    """Pad rows to `padded_rows`, K and N to their tiles (zeros add nothing), run the grid, sum the splits, crop."""
-    g, m, k = x.shape
+    """Pad rows to `padded_rows` (one row stays one, `ROWS_ON_CHIP`), K and N to their tiles (zeros add nothing),
+    run the grid, sum the splits, crop."""
+    g, m, k = expert.shape[0], x.shape[1], x.shape[2]
     n = w.shape[2]
-    mp = padded_rows(m)
-    block_k, block_n, num_stages = fit_tiles(mp, x.dtype.itemsize, min(block_k, max(16, pl.next_power_of_2(k))),
+    mp = 1 if m == 1 and ROWS_ON_CHIP else padded_rows(m)
+    block_k, block_n, num_stages = fit_tiles(max(mp, ROWS), x.dtype.itemsize,
+                                             min(block_k, max(16, pl.next_power_of_2(k))),
                                              min(block_n, max(16, pl.next_power_of_2(n))), num_stages)
     kp, np_ = _round_up(k, block_k), _round_up(n, block_n)
     x = jnp.pad(x, ((0, 0), (0, mp - m), (0, kp - k)))
@@ -116,7 +130,7 @@ def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = B
         grid=(g, n_tiles, splits),
         in_specs=[
             pl.BlockSpec((None,), lambda i, j, s: (i,)),
-            pl.BlockSpec((None, mp, kp), lambda i, j, s: (i, 0, 0)),
+            pl.BlockSpec((None, mp, kp), _group_rows(x)),
             pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, mp, block_n), lambda i, j, s: (s, i, 0, j)),
@@ -126,6 +140,13 @@ def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = B
         name="expert_matmul",
     )(expert, x, w)
     return jnp.sum(out, axis=0)[:, :m, :n]
+
+
+def _group_rows(x):
+    """The index map of x's block: group i's rows, or the one shared group's."""
+    if x.shape[0] == 1:
+        return lambda i, j, s: (0, 0, 0)
+    return lambda i, j, s: (i, 0, 0)
 
 
 def smem_bytes(rows: int, itemsize: int, block_k: int, block_n: int, num_stages: int) -> int:
@@ -165,9 +186,10 @@ def _check(x, w, expert, impl) -> None:
     """Refuse a bad impl, dtype or shape here, with a sentence, instead of deep inside XLA."""
     if impl not in IMPLS:
         raise ValueError(f"expert_matmul: impl={impl!r} is not supported; choose one of {IMPLS}.")
-    if x.ndim != 3 or w.ndim != 3 or expert.ndim != 1 or x.shape[2] != w.shape[1] or expert.shape[0] != x.shape[0]:
-        raise ValueError(f"expert_matmul: takes x [G, M, K], w [E, K, N] and expert [G]; got x {x.shape}, "
-                         f"w {w.shape}, expert {expert.shape}.")
+    if (x.ndim != 3 or w.ndim != 3 or expert.ndim != 1 or x.shape[2] != w.shape[1]
+            or x.shape[0] not in (1, expert.shape[0])):
+        raise ValueError(f"expert_matmul: takes x [G, M, K] (or [1, M, K], shared by every group), w [E, K, N] and "
+                         f"expert [G]; got x {x.shape}, w {w.shape}, expert {expert.shape}.")
     if x.dtype != w.dtype or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"expert_matmul: x and w must share one floating dtype; got {x.dtype} and {w.dtype}.")
     if not jnp.issubdtype(expert.dtype, jnp.integer):

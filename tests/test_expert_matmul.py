@@ -85,6 +85,34 @@ def test_tiles_shrink_to_fit_shared_memory_for_tall_groups():
         fit_tiles(16384, 4, *defaults)
 
 
+@pytest.mark.parametrize("on_chip", [True, False])
+def test_one_row_groups_and_shared_rows(monkeypatch, on_chip):
+    """A decode step's groups of one row: read as they are and repeated to 16 on chip (no pad kernel), or padded in
+    memory; and x given once, `[1, M, K]`, for every group (the step's one token meets each of its k experts).
+    Either way the kernel gives the reference's product; dead groups stay exact zeros."""
+    import pallas_kernels.expert_matmul as em
+
+    monkeypatch.setattr(em, "ROWS_ON_CHIP", on_chip)
+    x, w = inputs(4, 1, 96, 48, 6, jnp.bfloat16, seed=11)
+    expert = jnp.asarray([5, 0, -1, 3], jnp.int32)
+    ref = loop(x, w, [5, 0, -1, 3])
+    for splits in (1, 3):
+        out = expert_matmul(x, w, expert, impl="pallas", block_k=32, block_n=16,
+                            target_programs=1 if splits == 1 else 10**6)
+        assert out.shape == (4, 1, 48)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-3)
+        assert np.all(np.asarray(out)[2] == 0.0)
+    shared = x[:1]
+    ref = loop(jnp.broadcast_to(shared, x.shape), w, [5, 0, -1, 3])
+    for impl in IMPLS:
+        out = expert_matmul(shared, w, expert, impl=impl)
+        assert out.shape == (4, 1, 48), impl
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-3, err_msg=impl)
+    wide = inputs(1, 3, 96, 48, 6, seed=12)[0]
+    np.testing.assert_allclose(np.asarray(expert_matmul(wide, w.astype(jnp.float32), expert, impl="pallas")),
+                               loop(jnp.broadcast_to(wide, (4, 3, 96)), w, [5, 0, -1, 3]), rtol=1e-5, atol=1e-4)
+
+
 def test_jit_gives_the_eager_output():
     x, w = inputs(3, 2, 32, 32, 4, seed=5)
     expert = jnp.asarray([1, 3, -1], jnp.int32)
@@ -98,7 +126,7 @@ def test_bad_arguments_are_refused():
     expert = jnp.asarray([0, 1], jnp.int32)
     with pytest.raises(ValueError, match=r"impl='triton' is not supported; choose one of \('xla', 'pallas'\)"):
         expert_matmul(x, w, expert, impl="triton")
-    with pytest.raises(ValueError, match=r"takes x \[G, M, K\], w \[E, K, N\] and expert \[G\]"):
+    with pytest.raises(ValueError, match=r"takes x \[G, M, K\] \(or \[1, M, K\], shared by every group\)"):
         expert_matmul(x[:, :, :8], w, expert)
     with pytest.raises(ValueError, match=r"takes x \[G, M, K\]"):
         expert_matmul(x, w, expert[:1])

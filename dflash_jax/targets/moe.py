@@ -113,9 +113,8 @@ def _grouped(x, idx, w_gate_up, w_down, act):
     """Per-(token, expert) outputs `[T, k, H]` float32: rows grouped by distinct expert, `G = min(E, T*k)` groups
     of up to T rows (an expert appears at most once per token); unused groups have expert -1 and cost nothing."""
     t, k = idx.shape
-    if t == 1:  # a decode step: its k experts are distinct already, one row each
-        gated = _gated_act(expert_matmul(jnp.broadcast_to(x[None], (k, 1, x.shape[1])), w_gate_up, idx[0],
-                                         impl="pallas"), x.dtype, act)
+    if t == 1:  # a decode step: its k experts are distinct already, each meets the one row (shared, not copied)
+        gated = _gated_act(expert_matmul(x[None], w_gate_up, idx[0], impl="pallas"), x.dtype, act)
         return expert_matmul(gated, w_down, idx[0], impl="pallas").reshape(1, k, -1)
     n = t * k
     flat = idx.reshape(-1)
