@@ -113,6 +113,17 @@ def test_one_row_groups_and_shared_rows(monkeypatch, on_chip):
                                loop(jnp.broadcast_to(wide, (4, 3, 96)), w, [5, 0, -1, 3]), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("groups, rows", [(1, 1), (8, 1), (8, 16)])
+def test_the_kernel_lowers_to_triton_for_cuda(groups, rows):
+    """The Pallas-to-Triton lowering runs here without a GPU: a decode step's shared row (repeated on chip) and its
+    8 one-row groups, and a verify's groups of 16, through Qwen3.5-35B-A3B's expert shape."""
+    fn = jax.jit(lambda x, w, e: expert_matmul(x, w, e, impl="pallas"))
+    args = (jax.ShapeDtypeStruct((groups, rows, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((256, 2048, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "expert_matmul"' in text
+
+
 def test_jit_gives_the_eager_output():
     x, w = inputs(3, 2, 32, 32, 4, seed=5)
     expert = jnp.asarray([1, 3, -1], jnp.int32)

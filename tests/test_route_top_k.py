@@ -116,3 +116,12 @@ def test_jit_compiles_the_kernel_once_per_shape():
     np.testing.assert_array_equal(np.asarray(a[1]), [[7, 6], [7, 6]])
     np.testing.assert_array_equal(np.asarray(b[1]), [[7, 6], [7, 6]])
     assert run._cache_size() == 1
+
+
+@pytest.mark.parametrize("rows, experts, top_k", [(1, 256, 8), (16, 256, 8), (4, 512, 10), (2, 128, 1)])
+def test_the_kernel_lowers_to_triton_for_cuda(rows, experts, top_k):
+    """The Pallas-to-Triton lowering runs here without a GPU (an op Triton cannot take fails at this step): the
+    published routers' shapes (Qwen3.5-MoE 256 experts top-8, Qwen3-Next 512 top-10), a decode step and a verify."""
+    fn = jax.jit(lambda z: route_top_k(z, top_k, True, impl="pallas"))
+    text = fn.trace(jax.ShapeDtypeStruct((rows, experts), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "route_top_k"' in text
