@@ -103,6 +103,86 @@ def _chunk_kernel(s_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, o_ref, u_ref, *,
     o_ref[...] = g_exp * mm(q, s0) + mm(scores, u)
 
 
+def step_takes(conv_dim: int, key_heads: int, state_shape: tuple, kernel_size: int) -> bool:
+    """Whether `delta_step` takes a layer: power-of-two key and value head widths and conv kernel (Triton's tiles),
+    and q|k|v channels that split into whole key heads and value tiles."""
+    _, heads, dk, dv = state_shape
+    dt = min(DV_TILE, dv)
+    pow2 = all(n >= 1 and n & (n - 1) == 0 for n in (dk, dv, kernel_size))
+    return (pow2 and heads % key_heads == 0 and conv_dim == 2 * key_heads * dk + heads * dv
+            and (2 * key_heads * dk) % dt == 0)
+
+
+def delta_step(window, conv_weight, g, beta, state, *, key_heads: int, dtype, interpret: bool | None = None):
+    """One position of a Gated DeltaNet layer in one kernel, from the conv window to the delta rule's output: the
+    causal conv and SiLU of q|k|v (rounded to `dtype`, as `causal_conv` returns them), L2-normalised q (scaled by
+    dk**-0.5) and k, and the recurrence of `delta_chunk` at one position, S^T k and S^T q read from the state tile.
+    window `[B, K, conv_dim]` (the K-1 inputs before the position, then its own; conv_dim = 2 * key_heads * dk + H * dv,
+    q|k|v); conv_weight `[conv_dim, 1, K]`; g, beta float32 `[B, 1, H]`; state float32 `[B, H, dk, dv]`. Returns
+    `(out, u, k)` float32 `[B, 1, H, dv]`, `[B, 1, H, dv]` and `[B, 1, H, dk]` (k repeated to the value heads), what
+    the jnp path (`causal_conv`, the normalisation, `delta_chunk`) gives a decode step, to float32 rounding. Where
+    XLA makes about ten kernels of that, this is one program per (row, value head, `DV_TILE` value channels)."""
+    b, heads, dk, dv = state.shape
+    kernel_size, conv_dim = window.shape[1], window.shape[2]
+    if not step_takes(conv_dim, key_heads, state.shape, kernel_size):
+        raise ValueError(f"delta_step: window {window.shape} with {key_heads} key heads and state {state.shape} does "
+                         f"not fit the kernel: dk, dv and the conv kernel must be powers of two and conv_dim "
+                         f"= 2 * key_heads * dk + H * dv.")
+    call = functools.partial(_step_pallas, key_heads=key_heads, dtype=jnp.dtype(dtype))
+    return where_lowered(call, interpret)(window, conv_weight, g.astype(F32), beta.astype(F32), state.astype(F32))
+
+
+def _step_kernel(wq_ref, wk_ref, wv_ref, cq_ref, ck_ref, cv_ref, g_ref, beta_ref, s_ref, o_ref, u_ref, k_ref, *,
+                 dtype, scale):
+    """One (row, value head, value tile): conv, SiLU and norms of its q, k and v channels, then one delta step."""
+
+    def conv(win_ref, w_ref):  # the taps in causal_conv's order, oldest input first
+        y = 0
+        for o in range(win_ref.shape[0]):
+            y = y + w_ref[:, o].astype(F32) * win_ref[o, :].astype(F32)
+        return (y * jax.nn.sigmoid(y)).astype(dtype).astype(F32)
+
+    def l2(x):
+        return x * lax.rsqrt(jnp.sum(x * x) + 1e-6)
+
+    q, k, v = l2(conv(wq_ref, cq_ref)) * scale, l2(conv(wk_ref, ck_ref)), conv(wv_ref, cv_ref)
+    s = s_ref[...]
+    g_exp, beta = jnp.exp(g_ref[()]), beta_ref[()]
+    u = beta * v - g_exp * jnp.sum((k * beta)[:, None] * s, axis=0)
+    o_ref[...] = g_exp * jnp.sum(q[:, None] * s, axis=0) + jnp.sum(q * k) * u
+    u_ref[...] = u
+    k_ref[...] = k  # every value tile of the head writes the same k
+
+
+def _step_pallas(window, conv_weight, g, beta, state, *, key_heads, dtype, interpret):
+    b, heads, dk, dv = state.shape
+    kernel_size = window.shape[1]
+    dt = min(DV_TILE, dv)
+    rep, v_first, v_tiles = heads // key_heads, 2 * key_heads * dk // dt, dv // dt
+
+    def channels(width, block):
+        return (pl.BlockSpec((None, kernel_size, width), lambda r, h, t: (r, 0, block(h, t))),
+                pl.BlockSpec((width, None, kernel_size), lambda r, h, t: (block(h, t), 0, 0)))
+
+    (wq, cq), (wk, ck), (wv, cv) = (channels(dk, lambda h, t: h // rep),
+                                    channels(dk, lambda h, t: key_heads + h // rep),
+                                    channels(dt, lambda h, t: v_first + h * v_tiles + t))
+    gate = pl.BlockSpec((None, None, None), lambda r, h, t: (r, 0, h))
+    values = pl.BlockSpec((None, None, None, dt), lambda r, h, t: (r, 0, h, t))
+    out, u, k = pl.pallas_call(
+        functools.partial(_step_kernel, dtype=dtype, scale=dk ** -0.5),
+        grid=(b, heads, v_tiles),
+        in_specs=[wq, wk, wv, cq, ck, cv, gate, gate,
+                  pl.BlockSpec((None, None, dk, dt), lambda r, h, t: (r, h, 0, t))],
+        out_specs=[values, values, pl.BlockSpec((None, None, None, dk), lambda r, h, t: (r, 0, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, 1, heads, dv), F32)] * 2 + [jax.ShapeDtypeStruct((b, 1, heads, dk), F32)],
+        compiler_params=_triton_compiler_params(NUM_WARPS, 1),
+        interpret=interpret,
+        name="delta_step",
+    )(window, window, window, conv_weight, conv_weight, conv_weight, g, beta, state)
+    return out, u, k
+
+
 def _chunk_pallas(state, q, k, v, gcum, beta, *, interpret):
     """Pad C to a power of two >= 16 (padded rows: beta = 0, so u = 0, and no earlier row reads them; the cumulative
     decay carried on), dk with zeros to one as well, and dv to the value tile; run the grid; crop."""

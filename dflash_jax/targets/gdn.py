@@ -17,7 +17,13 @@ import jax.numpy as jnp
 
 from dflash_jax.config.targets import HybridConfig
 from dflash_jax.targets.layers import matmul
-from pallas_kernels.gated_delta import causal_conv, conv_state_at, delta_chunk, delta_rule, state_at
+from pallas_kernels.gated_delta import (causal_conv, conv_state_at, delta_chunk, delta_rule, delta_step, state_at,
+                                        step_takes)
+from pallas_kernels.mesh import context_mesh
+
+STEP_KERNEL = True
+"""Whether a decode step (one position, `impl` not "xla") runs the layer from its conv window to the delta rule's
+output in one kernel (`gated_delta.delta_step`) instead of XLA's ten or so."""
 
 GDN_CHUNK = 64
 """Positions per chunk of the chunked delta rule; a block this wide or wider with `valid` (a prefill chunk) takes
@@ -64,16 +70,31 @@ def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Ar
     `gated_delta.state_at` folds the state after any prefix, so that any prefix can be kept. With `valid [B]`:
     positions from `valid[b]` on are padding (gates masked so they leave the state as it is) and `conv`, `ssm` are
     the states after the first `valid[b]` positions. `impl`, the attention's, picks `delta_chunk`'s form for blocks
-    narrower than `GDN_CHUNK`: the reference with "xla", the "pallas" kernel with any other.
+    narrower than `GDN_CHUNK`: the reference with "xla", the "pallas" kernel with any other; with any other, a
+    decode step (one position, no `valid`) runs from the conv window on in one kernel (`step_kernel_takes`).
     """
     b, w, _ = x.shape
-    nk, nv, hk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    nk = cfg.linear_num_key_heads
     mixed, z, beta, a = split_projection(cfg, matmul(x, p["in_proj"]))
-    y, window = causal_conv(mixed, conv_state, p["conv"])
-    q, k, v = jnp.split(y, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     beta = jax.nn.sigmoid(beta).astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32)
                                                                     + p["dt_bias"].astype(jnp.float32))
+    if w == 1 and valid is None and impl != "xla" and step_kernel_takes(cfg, ssm_state):
+        conv = jnp.concatenate([conv_state, mixed], axis=1)
+        o, u, k = delta_step(conv, p["conv"], g, beta, ssm_state, key_heads=nk, dtype=x.dtype)
+        ssm = (k, u, g)
+    else:
+        o, conv, ssm = _mixer(cfg, p, mixed, beta, g, conv_state, ssm_state, valid, impl)
+    o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
+    return matmul(o.reshape(b, w, cfg.value_dim), p["out_proj"]), conv, ssm
+
+
+def _mixer(cfg: HybridConfig, p: dict, mixed, beta, g, conv_state, ssm_state, valid, impl) -> tuple:
+    """The jnp path from the projected q|k|v to the delta rule's output: `(out, conv, ssm)` as `gated_delta_net`."""
+    b, w, _ = mixed.shape
+    nk, nv, hk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    y, window = causal_conv(mixed, conv_state, p["conv"])
+    q, k, v = jnp.split(y, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     if valid is not None:
         live = (jnp.arange(w, dtype=jnp.int32)[None, :] < valid[:, None])[..., None]
         beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
@@ -88,8 +109,14 @@ def gated_delta_net(cfg: HybridConfig, p: dict, x: jax.Array, conv_state: jax.Ar
         # a narrow block folds its state from the same updates as a verify's commit: bit for bit
         ssm = (k, u, g) if valid is None else state_at(ssm_state, k, u, g, valid)
     conv = window if valid is None else conv_state_at(window, valid, kernel_size=cfg.linear_conv_kernel)
-    o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
-    return matmul(o.reshape(b, w, cfg.value_dim), p["out_proj"]), conv, ssm
+    return o, conv, ssm
+
+
+def step_kernel_takes(cfg: HybridConfig, ssm_state: jax.Array) -> bool:
+    """Whether a decode step runs `gated_delta.delta_step` (`STEP_KERNEL`, the layer's shape, no mesh: the kernel
+    reads q|k|v by channel blocks, which a split over heads would not keep whole)."""
+    return (STEP_KERNEL and context_mesh() is None
+            and step_takes(cfg.conv_dim, cfg.linear_num_key_heads, ssm_state.shape, cfg.linear_conv_kernel))
 
 
 def forward(cfg: HybridConfig, p: dict, x: jax.Array) -> jax.Array:
