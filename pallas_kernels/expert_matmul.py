@@ -15,9 +15,9 @@ and a gather copies each expert per token.
 so nothing is copied) in `[BLOCK_K, BLOCK_N]` tiles, software-pipelined; a dead group's program
 runs no tile and writes zeros. Grid: (group, output tile, K split). A decode step has only k
 groups of one row, so K is split until the grid has about `TARGET_PROGRAMS` programs (the H200
-has 132 SMs); the splits' partial products are summed afterwards, in a fixed order. A group of one row is read
-as it is and repeated to the tensor cores' 16 rows on chip (`ROWS_ON_CHIP`), instead of padded to 16 in memory
-by a kernel of its own before the product.
+has 132 SMs); the splits' partial products are summed afterwards, in a fixed order. With `ROWS_ON_CHIP` a group
+of one row is read as it is and repeated to the tensor cores' 16 rows on chip, instead of padded to 16 in memory by
+a kernel of its own before the product.
 
 Lowering: Triton. The expert index selects the matrix inside the kernel, a dynamic offset on
 the weight's leading axis; Mosaic GPU on JAX 0.11 takes block offsets only from the grid
@@ -45,9 +45,10 @@ BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 TARGET_PROGRAMS = 264
-ROWS_ON_CHIP = True
+ROWS_ON_CHIP = False
 """Whether groups of one row are repeated to 16 on chip (no pad kernel before the product) rather than padded with
-zero rows in memory; False is the earlier form, for comparison."""
+zero rows in memory. Off until a GPU has timed the two forms in a decode step: the on-chip form lowers to Triton
+and matches the reference in interpret mode, but no GPU was lent to the session that wrote it."""
 
 
 def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = "xla",

@@ -55,7 +55,14 @@ def test_the_kernel_matches_a_float64_step(dtype, dv):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
 
 
-def test_a_decode_step_of_the_layer_equals_its_jnp_path():
+@pytest.fixture
+def step_kernel(monkeypatch):
+    """`gdn.STEP_KERNEL` on (off by default until a GPU has timed it)."""
+    assert not gdn.STEP_KERNEL
+    monkeypatch.setattr(gdn, "STEP_KERNEL", True)
+
+
+def test_a_decode_step_of_the_layer_equals_its_jnp_path(step_kernel):
     """`gated_delta_net` at one position with a kernel impl takes `delta_step`; the output, the conv window and the
     updates (k, u, g) `commit` folds agree with the jnp path's."""
     target = tiny_hybrid(seed=3)
@@ -74,7 +81,7 @@ def test_a_decode_step_of_the_layer_equals_its_jnp_path():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_plain_and_speculative_decoding_through_the_kernel_agree():
+def test_plain_and_speculative_decoding_through_the_kernel_agree(step_kernel):
     """A hybrid decoded with the kernels (plain steps through `delta_step`, verifies through `delta_chunk`'s kernel)
     gives the jnp path's tokens, and greedy speculative decoding gives the plain ones."""
     target = tiny_hybrid(seed=5)

@@ -81,7 +81,9 @@ def test_moe_block_routed_by_the_kernel_matches_the_reference(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_impl_choice():
+def test_impl_choice(monkeypatch):
+    assert moe.route_impl(256, 8, backend="gpu") == "xla", "off until a GPU has timed it (ROUTE_KERNEL)"
+    monkeypatch.setattr(moe, "ROUTE_KERNEL", True)
     assert moe.route_impl(256, 8, backend="gpu") == "pallas"
     assert moe.route_impl(256, 8, backend="cpu") == "xla"
     assert moe.route_impl(60, 4, backend="gpu") == "xla", "60 experts: not a power of two"

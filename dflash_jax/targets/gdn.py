@@ -21,9 +21,10 @@ from pallas_kernels.gated_delta import (causal_conv, conv_state_at, delta_chunk,
                                         step_takes)
 from pallas_kernels.mesh import context_mesh
 
-STEP_KERNEL = True
+STEP_KERNEL = False
 """Whether a decode step (one position, `impl` not "xla") runs the layer from its conv window to the delta rule's
-output in one kernel (`gated_delta.delta_step`) instead of XLA's ten or so."""
+output in one kernel (`gated_delta.delta_step`) instead of XLA's ten or so. Off until a GPU has timed it: it lowers
+to Triton and matches the jnp path in interpret mode, but no GPU was lent to the session that wrote it."""
 
 GDN_CHUNK = 64
 """Positions per chunk of the chunked delta rule; a block this wide or wider with `valid` (a prefill chunk) takes

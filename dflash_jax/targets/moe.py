@@ -5,7 +5,7 @@ softmax in float32, top-k, optionally renormalised to sum 1, weights cast to x's
 expert e is a SwiGLU MLP (`w_gate_up[e] [H, 2I]`, `w_down[e] [I, H]`); the block output is
 `sum_k weight_k * expert_k(x) + sigmoid(x @ shared_gate) * shared_swiglu(x)`. Weights are `[in, out]`.
 Gemma-4 (`gemma4.py`) routes its own way around `route` and runs `experts` with a tanh-GELU gate. After the
-router's product, a GPU routes in one kernel (`pallas_kernels/route_top_k.py`, `ROUTE_KERNEL`).
+router's product, a GPU can route in one kernel (`pallas_kernels/route_top_k.py`, `ROUTE_KERNEL`, off until timed).
 
 The routed experts have three implementations (`MOE_IMPLS`), all accumulating in float32:
 - `"grouped"`: the T*k (token, expert) rows sorted by expert into one group per distinct expert, each group
@@ -38,9 +38,10 @@ at 1 / 3 / 16 tokens, against the gather's 0.127 / 0.251 / 1.068 and `ragged_dot
 blocks keep `ragged_dot` until a full run decides: one of 3 samples a cell (the file's third run) timed 48 tokens
 at 0.82 ms grouped against 1.00 with `ragged_dot`, and reversed the 1-token order (grouped 0.116, gather 0.061)."""
 
-ROUTE_KERNEL = True
+ROUTE_KERNEL = False
 """Whether a GPU routes with `pallas_kernels/route_top_k.py`'s kernel (softmax, top-k and renormalisation in one
-kernel) instead of XLA's five."""
+kernel) instead of XLA's five. Off until a GPU has timed it against them: it lowers to Triton and matches the
+reference in interpret mode, but no GPU was lent to the session that wrote it."""
 
 PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
 
