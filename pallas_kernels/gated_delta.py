@@ -103,6 +103,11 @@ def _chunk_kernel(s_ref, q_ref, k_ref, v_ref, gc_ref, beta_ref, o_ref, u_ref, *,
     o_ref[...] = g_exp * mm(q, s0) + mm(scores, u)
 
 
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """`x / sqrt(sum(x^2) + eps)` over the last axis, as the reference kernels compute it (the layer's q and k)."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
 def step_takes(conv_dim: int, key_heads: int, state_shape: tuple, kernel_size: int) -> bool:
     """Whether `delta_step` takes a layer: power-of-two key and value head widths and conv kernel (Triton's tiles),
     and q|k|v channels that split into whole key heads and value tiles."""
@@ -122,7 +127,6 @@ def delta_step(window, conv_weight, g, beta, state, *, key_heads: int, dtype, in
     `(out, u, k)` float32 `[B, 1, H, dv]`, `[B, 1, H, dv]` and `[B, 1, H, dk]` (k repeated to the value heads), what
     the jnp path (`causal_conv`, the normalisation, `delta_chunk`) gives a decode step, to float32 rounding. Where
     XLA makes about ten kernels of that, this is one program per (row, value head, `DV_TILE` value channels)."""
-    b, heads, dk, dv = state.shape
     kernel_size, conv_dim = window.shape[1], window.shape[2]
     if not step_takes(conv_dim, key_heads, state.shape, kernel_size):
         raise ValueError(f"delta_step: window {window.shape} with {key_heads} key heads and state {state.shape} does "
@@ -140,12 +144,10 @@ def _step_kernel(wq_ref, wk_ref, wv_ref, cq_ref, ck_ref, cv_ref, g_ref, beta_ref
         y = 0
         for o in range(win_ref.shape[0]):
             y = y + w_ref[:, o].astype(F32) * win_ref[o, :].astype(F32)
-        return (y * jax.nn.sigmoid(y)).astype(dtype).astype(F32)
+        return jax.nn.silu(y).astype(dtype).astype(F32)
 
-    def l2(x):
-        return x * lax.rsqrt(jnp.sum(x * x) + 1e-6)
-
-    q, k, v = l2(conv(wq_ref, cq_ref)) * scale, l2(conv(wk_ref, ck_ref)), conv(wv_ref, cv_ref)
+    q, k = l2_normalize(conv(wq_ref, cq_ref)) * scale, l2_normalize(conv(wk_ref, ck_ref))
+    v = conv(wv_ref, cv_ref)
     s = s_ref[...]
     g_exp, beta = jnp.exp(g_ref[()]), beta_ref[()]
     u = beta * v - g_exp * jnp.sum((k * beta)[:, None] * s, axis=0)

@@ -24,13 +24,16 @@ def numpy_step(window, conv_weight, g, beta, state, key_heads, dtype):
     q = y[:, :kd].reshape(b, key_heads, dk)
     k = y[:, kd:2 * kd].reshape(b, key_heads, dk)
     v = y[:, 2 * kd:].reshape(b, heads, dv)
-    norm = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
     rep = heads // key_heads
     q, k = np.repeat(norm(q), rep, axis=1) * dk ** -0.5, np.repeat(norm(k), rep, axis=1)
     s = np.asarray(state, np.float64) * np.exp(np.asarray(g, np.float64)[:, 0, :, None, None])
     u = np.asarray(beta, np.float64)[:, 0, :, None] * (v - np.einsum("bhkv,bhk->bhv", s, k))
     s = s + k[..., None] * u[:, :, None, :]
     return np.einsum("bhkv,bhk->bhv", s, q)[:, None], u[:, None], k[:, None]
+
+
+def norm(x):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
 
 
 def random_step(seed, b=2, key_heads=2, heads=4, dk=16, dv=32, kernel=4, dtype=jnp.float32):

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from dflash_jax.config.targets import HybridConfig
 from dflash_jax.targets.layers import matmul
-from pallas_kernels.gated_delta import (causal_conv, conv_state_at, delta_chunk, delta_rule, delta_step, state_at,
-                                        step_takes)
+from pallas_kernels.gated_delta import (causal_conv, conv_state_at, delta_chunk, delta_rule, delta_step,
+                                        l2_normalize, state_at, step_takes)
 from pallas_kernels.mesh import context_mesh
 
 STEP_KERNEL = False
@@ -49,11 +49,6 @@ def split_projection(cfg: HybridConfig, p: jax.Array) -> tuple:
         return mixed, z.reshape(b, w, nv, hv), ba[..., :r].reshape(b, w, nv), ba[..., r:].reshape(b, w, nv)
     mixed, z, beta, a = jnp.split(p, [2 * kd + vd, 2 * kd + 2 * vd, 2 * kd + 2 * vd + nv], axis=-1)
     return mixed, z.reshape(b, w, nv, hv), beta, a
-
-
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """`x / sqrt(sum(x^2) + eps)` over the last axis, as the reference kernels compute it."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

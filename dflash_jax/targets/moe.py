@@ -52,9 +52,14 @@ def default_impl(backend: str | None = None, tokens: int = 1) -> str:
     row by every expert, a dense `[E, T*k, H]` expansion, while the gather touches only the chosen ones). Traced
     under a mesh of several devices (a sharded model: `dflash_jax.sharding.mesh_context`) also `"gather"`: XLA's
     partitioner splits it over the experts, while the grouped kernel routes rows across all of them on one device."""
-    if (backend or jax.default_backend()) != "gpu" or context_mesh() is not None:
+    if not _kernels_run(backend):
         return "gather"
     return "grouped" if tokens <= GROUPED_MAX_TOKENS else "ragged"
+
+
+def _kernels_run(backend: str | None) -> bool:
+    """Whether this trace may take the GPU kernels: a GPU, and no mesh of several devices."""
+    return (backend or jax.default_backend()) == "gpu" and context_mesh() is None
 
 
 def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -70,8 +75,7 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -
 def route_impl(num_experts: int, top_k: int, backend: str | None = None) -> str:
     """`route_top_k`'s impl: the kernel on a GPU where it takes the shape (`ROUTE_KERNEL`), else the reference (off
     a GPU the kernel would run interpreted; under a mesh of several devices XLA's partitioner splits the rows)."""
-    on_gpu = (backend or jax.default_backend()) == "gpu" and context_mesh() is None
-    return "pallas" if ROUTE_KERNEL and on_gpu and route_kernel_takes(num_experts, top_k) else "xla"
+    return "pallas" if ROUTE_KERNEL and _kernels_run(backend) and route_kernel_takes(num_experts, top_k) else "xla"
 
 
 def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
