@@ -4,7 +4,10 @@
 
 Forms: the plain bf16 product (`bf16`), the reference (`xla_ref`), one int8 row as XLA's column reduction
 (`xla_colsum`) and over the transposed weight (`xla_T_rowsum`), the kernel at each setting of `GRID` (`pallas`),
-and one row padded to the 16-row product kernel (`pallas_dot16_for_1`). Each cell records its time, its read
+one row padded to the 16-row product kernel (`pallas_dot16_for_1`), and on a GPU the int8 weight through JAX's
+Hopper mixed-type matmul (`jax.experimental.pallas.ops.gpu.hopper_mixed_type_matmul_mgpu`, Mosaic GPU: the
+transposed weight as its int8 left operand, x's rows padded to 16 as its right) at each setting of `MIXED`
+(`mgpu_mixed`): what already exists, timed before a kernel of our own is written. Each cell records its time, its read
 bandwidth (packed bytes over time) and its error against the reference. The JSON is rewritten after each cell,
 and cells past `--budget` seconds are skipped, so a run cut short keeps what it measured.
 
@@ -35,6 +38,20 @@ TINY_SHAPES = {"wqkv": (1024, 256), "w_down": (2048, 128)}
 GRID = {1: [qmm.GEMV_TILES, qmm.Tiles(256, 64, 264, 4, 4), qmm.Tiles(128, 128, 132, 4, 4)],
         16: [qmm.DOT_TILES, qmm.Tiles(128, 128, 264, 4, 3), qmm.Tiles(128, 256, 132, 4, 4)]}
 """Kernel settings per row count: the default first."""
+MIXED = [(64, 128, 4), (64, 256, 4), (64, 128, 8)]
+"""(tile_m, tile_k, max_concurrent_steps) of the mixed-type matmul: one warpgroup per 64 output channels."""
+
+
+def mixed_matmul(x, data_t, scales, tile_m: int, tile_k: int, steps: int):
+    """`x @ W` for an int8 W through JAX's Hopper mixed-type matmul: `(W.T @ x.T).T * scales`, x padded to 16 rows."""
+    from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mixed
+
+    rows = x.shape[0]
+    config = mixed.TuningConfig(tile_m=tile_m, tile_n=16, tile_k=tile_k, max_concurrent_steps=steps, epi_tile_n=16,
+                                epi_tile_m=64, wg_dimension=mixed.MatmulDimension.M)
+    xt = jnp.pad(x, ((0, (-rows) % 16), (0, 0))).T
+    out = mixed.mixed_matmul_kernel(data_t, xt, out_dtype=jnp.float32, config=config)
+    return (out[:, :rows].T * scales).astype(x.dtype)
 
 
 def forms(fmt: str, m: int, interpret: bool) -> dict:
@@ -53,6 +70,10 @@ def forms(fmt: str, m: int, interpret: bool) -> dict:
         fn = functools.partial(qmm._pallas_matmul, fmt=fmt, compute=bf, interpret=interpret)
         out["pallas_dot16_for_1"] = (lambda a, d, s, fn=fn: fn(jnp.pad(a, ((0, 15), (0, 0))), d, s)[:1], "packed",
                                      qmm.DOT_TILES)
+    if fmt == "int8" and not interpret:
+        for i, (tm, tk, steps) in enumerate(MIXED):
+            fn = functools.partial(mixed_matmul, tile_m=tm, tile_k=tk, steps=steps)
+            out[f"mgpu_mixed_{i}"] = (lambda a, d, s, fn=fn: fn(a, d, s), "transposed", (tm, tk, steps))
     return out
 
 
@@ -61,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--weights", nargs="+", default=["wqkv", "w_down", "lm_head"], choices=list(SHAPES))
     ap.add_argument("--formats", nargs="+", default=["int8", "q8_0"], choices=list(qmm.FORMATS))
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16], choices=sorted(GRID))
+    ap.add_argument("--forms", nargs="+", default=None, help="time only the forms named (default: every form)")
     ap.add_argument("--budget", type=float, default=270.0, help="seconds after which cells are skipped")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
@@ -82,7 +104,8 @@ def main(argv=None):
                 x = jax.random.normal(jax.random.key(m), (m, shape[0]), jnp.bfloat16)
                 ref = np.asarray(qmm.quant_matmul(x, q.data, q.scales, fmt, impl="xla"), np.float32)
                 for form, (fn, which, tiles) in forms(fmt, m, args.tiny).items():
-                    if time.time() - t0 > args.budget or (form == "bf16" and fmt != args.formats[0]):
+                    if (time.time() - t0 > args.budget or (form == "bf16" and fmt != args.formats[0])
+                            or (args.forms and form not in args.forms)):
                         continue
                     cell = {"weight": wname, "shape": list(shape), "format": fmt, "rows": m, "form": form,
                             "tiles": list(tiles) if tiles else None}
