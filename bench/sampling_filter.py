@@ -2,8 +2,8 @@
 vocabulary (`sampling._sorted_keep`, the rule), the candidate search (`sampling._candidate_keep`, which falls
 back to the sort) and the threshold search (`sampling._threshold_keep`, bisection over order keys, no sort or
 top-k) with its passes' sums by each of `sampling.THRESHOLD_SUMS_CHOICES` (`pallas_kernels.key_sums`: the
-kernel, which reads a row once a pass, or XLA's reduction, once a pivot), over the rows a verify filters:
-batch x block 16 rows of a 151,936-token vocabulary.
+kernel, which reads a row once a pass, in its Triton and its Mosaic GPU lowerings, or XLA's reduction, once a
+pivot), over the rows a verify filters: batch x block 16 rows of a 151,936-token vocabulary.
 
 Per cell: `{impl}_us`, microseconds of the whole `filtered_logprobs` under each of `IMPLS` (median of `--reps`
 calls, each blocked); for each but the sort, `same_support_{impl}` (its support is the sort's),
@@ -37,7 +37,7 @@ THRESHOLD_WAYS = (8, 16, 32, 64)
 """Parts a pass of the threshold search, each timed with either sums (`part_threshold_{ways}w_us`,
 `part_threshold_xla_{ways}w_us`; `sampling.FILTER_WAYS`)."""
 IMPLS = {"sort": ("sort", "pallas"), "candidates": ("candidates", "pallas"), "threshold": ("threshold", "pallas"),
-         "threshold_xla": ("threshold", "xla")}
+         "threshold_mosaic": ("threshold", "mosaic"), "threshold_xla": ("threshold", "xla")}
 """The filters timed: name -> (`sampling.FILTER_IMPL`, `sampling.THRESHOLD_SUMS`)."""
 SETTINGS = {"k50_p0.9": (50, 0.9, 3.0), "p0.9": (0, 0.9, 3.0), "p0.9_flat": (0, 0.9, 0.5)}
 PARTS_SETTING = "k50_p0.9"

@@ -342,16 +342,18 @@ def _largest_key(holds, lo: jax.Array, hi: jax.Array, ways: int) -> jax.Array:
 
 THRESHOLD_SUMS = "pallas"
 """How a pass of the threshold search sums each row at or above its pivots (`pallas_kernels.key_sums`): "pallas"
-runs the kernel, which reads a row once for all of a pass's pivots, where the program is compiled for a GPU, and
-the jnp reference elsewhere (off a GPU Pallas only interprets); "xla" runs the reference everywhere, which XLA
-reduces once per pivot."""
-THRESHOLD_SUMS_CHOICES = ("pallas", "xla")
+runs the kernel (Triton lowering), which reads a row once for all of a pass's pivots, where the program is
+compiled for a GPU, and the jnp reference elsewhere (off a GPU Pallas only interprets); "mosaic" the same kernel in
+the Mosaic GPU lowering, on CUDA; "xla" runs the reference everywhere, which XLA reduces once per pivot."""
+THRESHOLD_SUMS_CHOICES = ("pallas", "mosaic", "xla")
 
 
-def _threshold_keep_where_compiled(z: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                                   ways: int = FILTER_WAYS) -> jax.Array:
-    """`_threshold_keep` with the kernel's sums in a program compiled for CUDA or ROCm, the reference's elsewhere."""
-    kernel = functools.partial(_threshold_keep, ways=ways, impl="pallas", interpret=False)
+def _threshold_keep_where_compiled(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int = FILTER_WAYS,
+                                   impl: str = "pallas") -> jax.Array:
+    """`_threshold_keep` with the kernel's sums (`impl`) in a program compiled for a GPU, the reference's elsewhere."""
+    if impl == "mosaic":  # key_sums picks the kernel on CUDA and the reference elsewhere itself
+        return _threshold_keep(z, top_k, top_p, ways, impl="mosaic")
+    kernel = functools.partial(_threshold_keep, ways=ways, impl=impl, interpret=False)
     return jax.lax.platform_dependent(z, top_k, top_p, cuda=kernel, rocm=kernel,
                                       default=functools.partial(_threshold_keep, ways=ways, impl="xla"))
 
@@ -363,7 +365,7 @@ def _threshold_search():
         raise ValueError(f"THRESHOLD_SUMS={THRESHOLD_SUMS!r} is not known; valid choices: {THRESHOLD_SUMS_CHOICES}.")
     if THRESHOLD_SUMS == "xla":
         return functools.partial(_threshold_keep, impl="xla")
-    return functools.partial(_threshold_keep_where_compiled)
+    return functools.partial(_threshold_keep_where_compiled, impl=THRESHOLD_SUMS)
 
 
 def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int = FILTER_WAYS, impl: str = "xla",
