@@ -17,6 +17,10 @@ Shares of a peak, each per count:
 `by_chunk` holds every (`--attention`, `--chunks`) cell, the chunks' attention through the Pallas kernel or cuDNN
 (`policy.PREFILL_ATTENTION`; on a CPU both run XLA's); the top-level figures are the library's defaults' cell.
 `attention` times one layer's chunk attention alone at the mean context, either impl (GPU only).
+`self_attention` times one layer's causal attention over `--self-attention` tokens (issue 16's 16,384) by cuDNN
+and by JAX's own Mosaic GPU flash attention for Hopper (`jax.experimental.pallas.ops.gpu.attention_mgpu`, at each
+of `MOSAIC_BLOCKS`, in float16: its buffers are), with their FLOPs per second and the kernel's agreement with cuDNN (GPU only): what a Mosaic
+GPU prefill kernel must beat, measured before one of ours is written.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ from pallas_kernels.windowed_attention import block_attention
 
 STATED_PEAK_FLOPS = 789e12
 TARGET_SHARE = 0.60
+MOSAIC_BLOCKS = [(64, 128, 2), (64, 256, 2), (64, 128, 4)]
+"""(block_q, block_kv, max_concurrent_steps) of JAX's Mosaic GPU flash attention (its own sweep's range)."""
 
 
 def prefill_flops(target, prompt: int) -> tuple[float, float]:
@@ -97,6 +103,40 @@ def attention_cells(cfg, prompt: int, chunks: list, reps: int) -> dict:
     return cells
 
 
+def self_attention_cell(cfg, n: int, reps: int) -> dict:
+    """One layer's causal attention over `n` tokens (batch 1, the target's heads, bf16): cuDNN against JAX's Mosaic
+    GPU flash attention at each of `MOSAIC_BLOCKS` (module docstring); a setting that fails records its error."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    keys = jax.random.split(jax.random.key(n), 3)
+    q = jax.random.normal(keys[0], (1, n, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, n, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16) for key in keys[1:])
+    flops = 2 * n * n * cfg.num_heads * cfg.head_dim  # QK^T and PV over the lower triangle
+    fns = {"cudnn": jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"))}
+    def mosaic(q, k, v, config):
+        # no softmax scale of its own: q comes in scaled, as cuDNN's default scales it; its shared-memory buffers are
+        # float16, so it takes float16 (the same FLOPs)
+        half = (q * cfg.head_dim ** -0.5).astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16)
+        return attention_mgpu.attention(*half, config)
+
+    for bq, bkv, steps in MOSAIC_BLOCKS:
+        config = attention_mgpu.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=steps, causal=True)
+        fns[f"mosaic_{bq}_{bkv}_{steps}"] = jax.jit(functools.partial(mosaic, config=config))
+    cell, ref = {"tokens": n, "flops": flops}, None
+    for name, fn in fns.items():
+        try:
+            out = fn(q, k, v).astype(jnp.float32)
+            seconds, _ = common.timed(fn, q, k, v, reps=reps, warmup=2)
+        except Exception as e:  # a setting the GPU or this CUDA refuses is recorded, not fatal
+            cell[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        ref = out if ref is None else ref
+        cell[name] = {"s": seconds, "tflops": flops / seconds / 1e12,
+                      "rel_err_vs_cudnn": float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))}
+        print(f"self-attention over {n} tokens, {name}: {cell[name]}")
+    return cell
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU: tests the script")
@@ -106,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--attention", nargs="+", default=["pallas", "cudnn"], choices=["pallas", "cudnn"],
                     help="the prefill chunks' attention impls to time (GPU; the default is cudnn)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--self-attention", type=int, default=16384,
+                    help="tokens of the causal self-attention timed by cuDNN and Mosaic GPU (GPU; 0: skip)")
     ap.add_argument("--gemm", type=int, default=None, help="side of the peak product (default 8192; tiny 256)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
@@ -141,6 +183,8 @@ def main(argv=None):
               f"{gemm / 1e12:.1f} TFLOP/s")
     attention = attention_cells(target.config, prompt, chunks, args.reps + 2) if jax.default_backend() == "gpu" \
         else "skipped: cuDNN attention needs a GPU"
+    self_attention = (self_attention_cell(target.config, args.self_attention, args.reps + 2)
+                      if jax.default_backend() == "gpu" and args.self_attention > 0 else "skipped: needs a GPU")
     default_attention = policy.prefill_attention("pallas", -(-prompt // policy.PREFILL_CHUNK))
     default = by_chunk.get(f"{default_attention}_{policy.PREFILL_CHUNK}")
     payload = common.environment(**vars(args)) | {
@@ -149,7 +193,7 @@ def main(argv=None):
         "gemm_flops_per_s": gemm, "target_share": TARGET_SHARE, "default_chunk": policy.PREFILL_CHUNK,
         "default_attention": default_attention,
         "no_recompile": all(c["compiles_after_warmup"]["count"] == 0 for c in by_chunk.values()),
-        "by_chunk": by_chunk, "attention": attention} | {
+        "by_chunk": by_chunk, "attention": attention, "self_attention": self_attention} | {
             k: v for k, v in (default or {}).items() if k not in ("attention", "chunk")}
     common.write_json(f"prefill{'_tiny' if args.tiny else ''}.json", payload, args.out)
     return payload
