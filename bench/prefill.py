@@ -19,8 +19,8 @@ Shares of a peak, each per count:
 `attention` times one layer's chunk attention alone at the mean context, either impl (GPU only).
 `self_attention` times one layer's causal attention over `--self-attention` tokens (issue 16's 16,384) by cuDNN
 and by JAX's own Mosaic GPU flash attention for Hopper (`jax.experimental.pallas.ops.gpu.attention_mgpu`, at each
-of `MOSAIC_BLOCKS`, in float16: its buffers are), with their FLOPs per second and the kernel's agreement with cuDNN (GPU only): what a Mosaic
-GPU prefill kernel must beat, measured before one of ours is written.
+of `MOSAIC_BLOCKS`, in float16 as its buffers are), with their FLOPs per second and the kernel's agreement with
+cuDNN (GPU only): what a Mosaic GPU prefill kernel must beat, measured before one of ours is written.
 """
 from __future__ import annotations
 

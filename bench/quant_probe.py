@@ -7,8 +7,8 @@ Forms: the plain bf16 product (`bf16`), the reference (`xla_ref`), one int8 row 
 one row padded to the 16-row product kernel (`pallas_dot16_for_1`), and on a GPU the int8 weight through JAX's
 Hopper mixed-type matmul (`jax.experimental.pallas.ops.gpu.hopper_mixed_type_matmul_mgpu`, Mosaic GPU: the
 transposed weight as its int8 left operand, x's rows padded to 16 as its right) at each setting of `MIXED`
-(`mgpu_mixed`): what already exists, timed before a kernel of our own is written. Each cell records its time, its read
-bandwidth (packed bytes over time) and its error against the reference. The JSON is rewritten after each cell,
+(`mgpu_mixed`): what already exists, timed before a kernel of our own is written. Each cell records its time,
+its read bandwidth (packed bytes over time) and its error against the reference. The JSON is rewritten after each cell,
 and cells past `--budget` seconds are skipped, so a run cut short keeps what it measured.
 
     python bench/quant_probe.py --out DIR                          # H200: wqkv, w_down, LM head
