@@ -1,8 +1,9 @@
 """The hybrid targets' decode-step kernel switches, each alone, on the plain decode step (GPU).
 
-`moe.ROUTE_KERNEL`, `expert_matmul.ROWS_ON_CHIP` and `gdn.STEP_KERNEL` are read when a program is traced.
-The plain decode loop (`decoding.plain.run`, `--new` tokens after a prompt of `--prompt`) is compiled ahead
-of time once per setting: all off, each switch alone, all on. Then the settings are timed in turn, `--passes`
+`moe.ROUTE_IMPL` ("pallas": the Triton routing kernel; "mosaic": its Mosaic GPU port), `expert_matmul.ROWS_ON_CHIP`
+and `gdn.STEP_KERNEL` are read when a program is traced. The plain decode loop (`decoding.plain.run`, `--new`
+tokens after a prompt of `--prompt`) is compiled ahead of time once per setting: all off, each switch alone, all
+on (with the Triton routing kernel). Then the settings are timed in turn, `--passes`
 times over, each run from a fresh copy of the same prefilled state, so drift between passes hits every setting
 alike. `step_s` is the loop's median seconds over its `new - 1` steps; `roofline_ratio` as `bench/hybrid.py`
 (bytes a step moves over the run's HBM read bandwidth); `over_off` the setting's step over the all-off step.
@@ -32,26 +33,33 @@ from dflash_jax.decoding.common import pack_prompts, stop_array
 from dflash_jax.targets import gdn, moe
 from pallas_kernels import expert_matmul
 
-SWITCHES = {"route": (moe, "ROUTE_KERNEL"), "rows_on_chip": (expert_matmul, "ROWS_ON_CHIP"),
-            "delta_step": (gdn, "STEP_KERNEL")}
-MOE_ONLY = ("route", "rows_on_chip")
+SWITCHES = {"route": (moe, "ROUTE_IMPL", "pallas"), "route_mosaic": (moe, "ROUTE_IMPL", "mosaic"),
+            "rows_on_chip": (expert_matmul, "ROWS_ON_CHIP", True), "delta_step": (gdn, "STEP_KERNEL", True)}
+"""Name -> (module, attribute, its value when on)."""
+OFF = {"ROUTE_IMPL": "xla", "ROWS_ON_CHIP": False, "STEP_KERNEL": False}
+MOE_ONLY = ("route", "route_mosaic", "rows_on_chip")
 
 
 def settings(cfg) -> dict:
-    """Setting name -> the switches it turns on: all off, each switch that has layers to act on, all on."""
+    """Setting name -> the switches it turns on: all off, each switch that has layers to act on, all on (one routing
+    kernel: the Triton one)."""
     live = [s for s in SWITCHES if any(cfg.moe_layers) or s not in MOE_ONLY]
     out = {"off": ()} | {s: (s,) for s in live}
-    return out | ({"all": tuple(live)} if len(live) > 1 else {})
+    every = tuple(s for s in live if s != "route_mosaic")
+    return out | ({"all": every} if len(every) > 1 else {})
 
 
 def set_switches(on) -> None:
-    for name, (module, attr) in SWITCHES.items():
-        setattr(module, attr, name in on)
+    for module, attr, _ in SWITCHES.values():
+        setattr(module, attr, OFF[attr])
+    for name in on:
+        module, attr, value = SWITCHES[name]
+        setattr(module, attr, value)
 
 
-def current() -> tuple:
-    """The switches on now."""
-    return tuple(name for name, (module, attr) in SWITCHES.items() if getattr(module, attr))
+def snapshot() -> list:
+    """Every switch's attribute as it is now, to put back."""
+    return [(module, attr, getattr(module, attr)) for module, attr, _ in SWITCHES.values()]
 
 
 def truncated(cfg, layers: int | None):
@@ -64,7 +72,7 @@ def truncated(cfg, layers: int | None):
 
 def measure(target, prompt: int, new: int, impl: str, passes: int) -> dict:
     """Each setting's compiled decode loop, timed in turn over `passes` passes (module docstring)."""
-    cfg, defaults = target.config, current()
+    cfg, defaults = target.config, snapshot()
     tokens = np.random.RandomState(0).randint(0, cfg.vocab_size - 2, (1, prompt))
     p = pack_prompts(tokens, cfg.vocab_size, None, None)
     loop = plain.PlainLoop(new, p.chunk, True, False, impl)
@@ -80,7 +88,8 @@ def measure(target, prompt: int, new: int, impl: str, passes: int) -> dict:
         compiled[name] = plain.run.lower(loop, target, s0, stops).compile()
         compile_s[name] = time.perf_counter() - t0
         print(f"compiled {name} in {compile_s[name]:.1f} s", flush=True)
-    set_switches(defaults)
+    for module, attr, value in defaults:
+        setattr(module, attr, value)
     jax.clear_caches()
     times = {name: [] for name in compiled}
     outputs = {}

@@ -10,10 +10,14 @@ casts, about 8 us a layer of a decode step where each takes one or two (H200,
 bench/results/profile_round_qwen3.5-35b-a3b.json: the sort alone 4 us). `impl="pallas"` (Triton) takes one row
 a program: the softmax, k rounds of "largest, then lowest expert among the equal", the renormalisation and the
 casts on chip. Its softmax sums in another order than XLA's, so a weight can differ from the reference in the
-last bit, and so can the choice between two experts whose probabilities are that close.
+last bit, and so can the choice between two experts whose probabilities are that close. `impl="mosaic"` is the same
+program in Pallas's Mosaic GPU lowering (`pallas_kernels/mosaic_gpu.py`): one warpgroup a row, the row and the
+expert ids copied into shared memory, the k weights and ids written as scalars and copied out. The ids come in as an
+input and the logits as float32 (converted before the kernel), so both load in one register layout: the GPU
+interpreter takes no in-kernel iota or layout cast.
 
-The kernel needs E a power of two (Triton's tiles) and k at most `MAX_TOP_K` (its rounds are unrolled);
-`supported` says whether a shape qualifies.
+The Triton kernel needs E a power of two (Triton's tiles) and the Mosaic GPU one a power of two of at least 128 (a
+warpgroup's row); both k at most `MAX_TOP_K` (its rounds are unrolled). `supported` says whether a shape qualifies.
 """
 from __future__ import annotations
 
@@ -23,18 +27,23 @@ import numbers
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic_gpu import interpret_params
 from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "mosaic")
 MAX_TOP_K = 16
 NUM_WARPS = 1
 """A row of a few hundred logits is one warp's work: more warps would only add the reductions' synchronisation."""
+_LANES = 256
+"""A Mosaic GPU copy moves at most this many elements along a dimension: a row of E is `[E / 256, 256]`."""
 
 
-def supported(num_experts: int, top_k: int) -> bool:
-    """Whether the kernel takes `num_experts` router columns and `top_k` chosen experts."""
-    return num_experts & (num_experts - 1) == 0 and 1 <= top_k <= min(MAX_TOP_K, num_experts)
+def supported(num_experts: int, top_k: int, impl: str = "pallas") -> bool:
+    """Whether the kernel of `impl` takes `num_experts` router columns and `top_k` chosen experts."""
+    least = 128 if impl == "mosaic" else 1
+    return num_experts >= least and num_experts & (num_experts - 1) == 0 and 1 <= top_k <= min(MAX_TOP_K, num_experts)
 
 
 def reference(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype) -> tuple[jax.Array, jax.Array]:
@@ -49,7 +58,8 @@ def reference(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype) -> tup
 def route_top_k(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, *, impl: str = "xla",
                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Routing of router `logits [T, E]` (module docstring); `dtype` that of the weights (default: the logits').
-    `interpret` as for the other kernels: None runs the kernel compiled on CUDA and ROCm, interpreted elsewhere."""
+    `interpret` as for the other kernels: None runs the kernel compiled on CUDA and ROCm, interpreted elsewhere; for
+    "mosaic", compiled on CUDA and the reference elsewhere (True: JAX's GPU interpreter)."""
     if impl not in IMPLS:
         raise ValueError(f"route_top_k: impl={impl!r} is not supported; choose one of {IMPLS}.")
     if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
@@ -60,10 +70,15 @@ def route_top_k(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None,
     dtype = logits.dtype if dtype is None else jnp.dtype(dtype)
     if impl == "xla":
         return reference(logits, int(top_k), norm_topk_prob, dtype)
-    if not supported(n_experts, int(top_k)):
-        raise ValueError(f"route_top_k: the kernel takes a power-of-two number of experts and top_k <= {MAX_TOP_K}; "
-                         f"got E = {n_experts}, top_k = {top_k}. Use impl='xla'.")
-    call = functools.partial(_pallas_route, top_k=int(top_k), norm=bool(norm_topk_prob), dtype=dtype)
+    if not supported(n_experts, int(top_k), impl):
+        least = " of at least 128" if impl == "mosaic" else ""
+        raise ValueError(f"route_top_k: the {impl} kernel takes a power-of-two number of experts{least} and top_k <= "
+                         f"{MAX_TOP_K}; got E = {n_experts}, top_k = {top_k}. Use impl='xla'.")
+    kernel = _pallas_route if impl == "pallas" else _mosaic_route
+    call = functools.partial(kernel, top_k=int(top_k), norm=bool(norm_topk_prob), dtype=dtype)
+    if impl == "mosaic" and interpret is None:  # CUDA only; the interpreter cannot sit in a platform branch
+        return jax.lax.platform_dependent(logits, cuda=functools.partial(call, interpret=False),
+                                          default=lambda z: reference(z, int(top_k), norm_topk_prob, dtype))
     return where_lowered(call, interpret)(logits)
 
 
@@ -108,6 +123,49 @@ def _pallas_route(logits, *, top_k: int, norm: bool, dtype, interpret: bool):
         name="route_top_k",
     )(logits)
     return (weights, chosen) if slots == top_k else (weights[:, :top_k], chosen[:, :top_k])
+
+
+def _mosaic_route(logits, *, top_k: int, norm: bool, dtype, interpret: bool):
+    """The Mosaic GPU program, one row a program (module docstring)."""
+    rows, n_experts = logits.shape
+    tile = (n_experts // min(n_experts, _LANES), min(n_experts, _LANES))
+    slots = (128 // jnp.dtype(dtype).itemsize, 32)  # a copy moves a multiple of 128 bytes; the extra slots are cropped
+
+    def body(logits_gmem, ids_gmem, weights_gmem, experts_gmem):
+        r = jax.lax.axis_index("row")
+
+        def scoped(logits_smem, ids_smem, weights_smem, experts_smem, barriers):
+            plgpu.copy_gmem_to_smem(logits_gmem.at[r], logits_smem, barriers.at[0])
+            plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, barriers.at[1])
+            plgpu.barrier_wait(barriers.at[0])
+            plgpu.barrier_wait(barriers.at[1])
+            z, expert = logits_smem[...], ids_smem[...]
+            unnormalised = jnp.exp(z - jnp.max(z))
+            left = unnormalised / jnp.sum(unnormalised)
+            weights, chosen = [], []
+            for _ in range(top_k):
+                best = jnp.max(left)
+                first = jnp.minimum(jnp.min(jnp.where(left == best, expert, n_experts)), n_experts - 1)
+                weights.append(best)
+                chosen.append(first)
+                left = jnp.where(expert == first, -1.0, left)
+            total = sum(weights[1:], weights[0])
+            for j in range(top_k):
+                weights_smem[j] = (weights[j] / total if norm else weights[j]).astype(dtype)
+                experts_smem[j] = chosen[j]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(weights_smem, weights_gmem.at[r])
+            plgpu.copy_smem_to_gmem(experts_smem, experts_gmem.at[r])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM(tile, jnp.float32), plgpu.SMEM(tile, jnp.int32),
+                      plgpu.SMEM(slots[:1], dtype), plgpu.SMEM(slots[1:], jnp.int32), plgpu.Barrier(num_barriers=2))
+
+    weights, chosen = plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct((rows, slots[0]), dtype), jax.ShapeDtypeStruct((rows, slots[1]), jnp.int32)),
+        grid=(rows,), grid_names=("row",), kernel_name="route_top_k", interpret=interpret_params(interpret),
+    )(logits.astype(jnp.float32).reshape((rows,) + tile), jnp.arange(n_experts, dtype=jnp.int32).reshape(tile))
+    return weights[:, :top_k], chosen[:, :top_k]
 
 
 __all__ = ["IMPLS", "MAX_TOP_K", "reference", "route_top_k", "supported"]

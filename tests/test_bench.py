@@ -120,14 +120,14 @@ def test_hybrid_bench_measures_both_rollbacks_losslessly(tmp_path):
 def test_decode_kernels_times_each_switch_alone_and_restores_the_defaults(tmp_path):
     import decode_kernels
 
-    before = {name: getattr(module, attr) for name, (module, attr) in decode_kernels.SWITCHES.items()}
+    before = [(m, a, getattr(m, a)) for m, a, _ in decode_kernels.SWITCHES.values()]
     payload = decode_kernels.main(["--tiny", "--out", str(tmp_path), "--prompt", "16", "--new", "6", "--passes", "1"])
     assert (tmp_path / "decode_kernels_tiny.json").exists()
     (model,) = payload["models"].values()
     assert set(model["cells"]) == {"off", "all", *decode_kernels.SWITCHES}, "the tiny hybrid has MoE layers"
-    assert model["cells"]["all"]["on"] == list(decode_kernels.SWITCHES)
+    assert model["cells"]["all"]["on"] == ["route", "rows_on_chip", "delta_step"], "one routing kernel at a time"
     assert all(c["same_tokens_as_off"] and c["step_s"] > 0 for c in model["cells"].values())
-    assert {name: getattr(module, attr) for name, (module, attr) in decode_kernels.SWITCHES.items()} == before
+    assert [(m, a, getattr(m, a)) for m, a, _ in decode_kernels.SWITCHES.values()] == before
     dense = decode_kernels.hybrid.MODELS["qwen3.5-9b"]
     assert list(decode_kernels.settings(dense)) == ["off", "delta_step"], "the MoE switches need MoE layers"
 

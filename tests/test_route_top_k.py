@@ -1,5 +1,6 @@
 """The routing kernel (interpret mode) against its jnp reference and a float64 numpy oracle; ties, NaN logits,
-cropped slots, the MoE block routed through it, the impl choice and refusals."""
+cropped slots, the MoE block routed through it, the impl choice and refusals; its Mosaic GPU port in JAX's GPU
+interpreter, and both lowerings for CUDA."""
 from __future__ import annotations
 
 import jax
@@ -82,15 +83,23 @@ def test_moe_block_routed_by_the_kernel_matches_the_reference(monkeypatch):
 
 
 def test_impl_choice(monkeypatch):
-    assert moe.route_impl(256, 8, backend="gpu") == "xla", "off until a GPU has timed it (ROUTE_KERNEL)"
-    monkeypatch.setattr(moe, "ROUTE_KERNEL", True)
+    assert moe.route_impl(256, 8, backend="gpu") == "xla", "off until a GPU has timed it (ROUTE_IMPL)"
+    monkeypatch.setattr(moe, "ROUTE_IMPL", "pallas")
     assert moe.route_impl(256, 8, backend="gpu") == "pallas"
     assert moe.route_impl(256, 8, backend="cpu") == "xla"
     assert moe.route_impl(60, 4, backend="gpu") == "xla", "60 experts: not a power of two"
     assert moe.route_impl(256, MAX_TOP_K + 1, backend="gpu") == "xla"
+    assert moe.route_impl(64, 4, backend="gpu") == "pallas"
+    monkeypatch.setattr(moe, "ROUTE_IMPL", "mosaic")
+    assert moe.route_impl(256, 8, backend="gpu") == "mosaic"
+    assert moe.route_impl(64, 4, backend="gpu") == "xla", "a Mosaic GPU row is a warpgroup's: 128 experts or more"
     assert supported(512, 10) and not supported(96, 2) and not supported(4, 8)
+    assert supported(64, 4) and not supported(64, 4, "mosaic") and supported(128, 4, "mosaic")
     _, idx = moe.route(jnp.ones((2, 4)), jnp.eye(4, 8), 2, True)  # the CPU takes the reference
     assert idx.shape == (2, 2)
+    monkeypatch.setattr(moe, "ROUTE_IMPL", "fast")
+    with pytest.raises(ValueError, match=r"ROUTE_IMPL='fast' is not known; choose one of \('xla', 'pallas', 'mos"):
+        moe.route(jnp.ones((2, 4)), jnp.eye(4, 8), 2, True)
 
 
 def test_refusals():
@@ -127,3 +136,33 @@ def test_the_kernel_lowers_to_triton_for_cuda(rows, experts, top_k):
     fn = jax.jit(lambda z: route_top_k(z, top_k, True, impl="pallas"))
     text = fn.trace(jax.ShapeDtypeStruct((rows, experts), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "route_top_k"' in text
+
+
+@pytest.mark.parametrize("rows, experts, top_k, norm, dtype", [(1, 256, 8, True, jnp.bfloat16),
+                                                               (3, 512, 10, False, jnp.float32),
+                                                               (2, 128, 1, True, jnp.float32)])
+def test_the_mosaic_port_matches_the_oracle(rows, experts, top_k, norm, dtype):
+    """The Mosaic GPU program in JAX's GPU interpreter: the published routers' shapes, ties in expert order, and a
+    NaN row still naming experts in range."""
+    z = 3 * np.random.default_rng(experts + top_k).standard_normal((rows, experts))
+    z[0, :4] = z[0].max() + 1  # four equal largest: the lowest expert first
+    logits = jnp.asarray(z, dtype)
+    w, idx = route_top_k(logits, top_k, norm, impl="mosaic", interpret=True)
+    w_ref, idx_ref = reference(logits, top_k, norm, dtype)
+    assert w.shape == idx.shape == (rows, top_k) and w.dtype == dtype and idx.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx_ref))
+    np.testing.assert_array_equal(np.asarray(idx), numpy_route(np.asarray(logits, np.float64), top_k, norm)[1])
+    np.testing.assert_allclose(np.asarray(w, np.float32), np.asarray(w_ref, np.float32),
+                               rtol=2 ** -7 if dtype == jnp.bfloat16 else 2e-6)
+    _, idx = route_top_k(jnp.full((1, experts), np.nan, jnp.float32), top_k, norm, impl="mosaic", interpret=True)
+    assert np.all((np.asarray(idx) >= 0) & (np.asarray(idx) < experts)), idx
+
+
+@pytest.mark.parametrize("rows, experts, top_k", [(1, 256, 8), (16, 256, 8), (4, 512, 10)])
+def test_the_mosaic_port_lowers_for_cuda_and_takes_the_reference_elsewhere(rows, experts, top_k):
+    fn = jax.jit(lambda z: route_top_k(z, top_k, True, impl="mosaic"))
+    traced = fn.trace(jax.ShapeDtypeStruct((rows, experts), jnp.bfloat16))
+    assert traced.lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 1
+    assert "mosaic_gpu" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+    with pytest.raises(ValueError, match=r"mosaic kernel takes a power-of-two number of experts of at least 128"):
+        route_top_k(jnp.zeros((2, 64)), 2, True, impl="mosaic")

@@ -5,7 +5,7 @@ softmax in float32, top-k, optionally renormalised to sum 1, weights cast to x's
 expert e is a SwiGLU MLP (`w_gate_up[e] [H, 2I]`, `w_down[e] [I, H]`); the block output is
 `sum_k weight_k * expert_k(x) + sigmoid(x @ shared_gate) * shared_swiglu(x)`. Weights are `[in, out]`.
 Gemma-4 (`gemma4.py`) routes its own way around `route` and runs `experts` with a tanh-GELU gate. After the
-router's product, a GPU can route in one kernel (`pallas_kernels/route_top_k.py`, `ROUTE_KERNEL`, off until timed).
+router's product, a GPU can route in one kernel (`pallas_kernels/route_top_k.py`, `ROUTE_IMPL`, off until timed).
 
 The routed experts have three implementations (`MOE_IMPLS`), all accumulating in float32:
 - `"grouped"`: the T*k (token, expert) rows sorted by expert into one group per distinct expert, each group
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from dflash_jax.targets.layers import exact, matmul, swiglu
 from pallas_kernels.expert_matmul import expert_matmul
 from pallas_kernels.mesh import context_mesh
+from pallas_kernels.route_top_k import IMPLS as ROUTE_IMPLS
 from pallas_kernels.route_top_k import route_top_k
 from pallas_kernels.route_top_k import supported as route_kernel_takes
 
@@ -38,10 +39,11 @@ at 1 / 3 / 16 tokens, against the gather's 0.127 / 0.251 / 1.068 and `ragged_dot
 blocks keep `ragged_dot` until a full run decides: one of 3 samples a cell (the file's third run) timed 48 tokens
 at 0.82 ms grouped against 1.00 with `ragged_dot`, and reversed the 1-token order (grouped 0.116, gather 0.061)."""
 
-ROUTE_KERNEL = False
-"""Whether a GPU routes with `pallas_kernels/route_top_k.py`'s kernel (softmax, top-k and renormalisation in one
-kernel) instead of XLA's five. Off until timed alone: with `expert_matmul.ROWS_ON_CHIP` and `gdn.STEP_KERNEL` it
-took the 35B-A3B shape's decode step from 3.43 to 3.26 ms on the H200 (bench/results/decode_kernels_h200.json)."""
+ROUTE_IMPL = "xla"
+"""How a GPU routes (`route_top_k`'s impl): "xla", XLA's five kernels; "pallas", `pallas_kernels/route_top_k.py`'s
+kernel (softmax, top-k and renormalisation in one, Triton lowering); "mosaic", its Mosaic GPU port. "xla" until
+the kernels are timed alone: the Triton one, with `expert_matmul.ROWS_ON_CHIP` and `gdn.STEP_KERNEL`, took the
+35B-A3B shape's decode step from 3.43 to 3.26 ms on the H200 (bench/results/decode_kernels_h200.json)."""
 
 PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
 
@@ -73,9 +75,13 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -
 
 
 def route_impl(num_experts: int, top_k: int, backend: str | None = None) -> str:
-    """`route_top_k`'s impl: the kernel on a GPU where it takes the shape (`ROUTE_KERNEL`), else the reference (off
-    a GPU the kernel would run interpreted; under a mesh of several devices XLA's partitioner splits the rows)."""
-    return "pallas" if ROUTE_KERNEL and _kernels_run(backend) and route_kernel_takes(num_experts, top_k) else "xla"
+    """`route_top_k`'s impl: `ROUTE_IMPL` on a GPU where its kernel takes the shape, else the reference (off a GPU
+    the kernel would run interpreted; under a mesh of several devices XLA's partitioner splits the rows)."""
+    if ROUTE_IMPL not in ROUTE_IMPLS:
+        raise ValueError(f"moe: ROUTE_IMPL={ROUTE_IMPL!r} is not known; choose one of {ROUTE_IMPLS}.")
+    if ROUTE_IMPL == "xla" or not _kernels_run(backend) or not route_kernel_takes(num_experts, top_k, ROUTE_IMPL):
+        return "xla"
+    return ROUTE_IMPL
 
 
 def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
@@ -226,5 +232,5 @@ def _check_block(x, params, impl) -> None:
                          f"{params['shared_gate'].shape} do not fit H = {h}; expected [{h}, 2Is], [Is, {h}], [{h}, 1].")
 
 
-__all__ = ["ACTIVATIONS", "GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "ROUTE_KERNEL", "default_impl", "experts",
+__all__ = ["ACTIVATIONS", "GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "ROUTE_IMPL", "default_impl", "experts",
            "moe_block", "route", "route_impl"]
