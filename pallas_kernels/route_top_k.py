@@ -162,9 +162,10 @@ def _mosaic_route(logits, *, top_k: int, norm: bool, dtype, interpret: bool):
                       plgpu.SMEM(slots[:1], dtype), plgpu.SMEM(slots[1:], jnp.int32), plgpu.Barrier(num_barriers=2))
 
     out_type = (jax.ShapeDtypeStruct((rows, slots[0]), dtype), jax.ShapeDtypeStruct((rows, slots[1]), jnp.int32))
-    weights, chosen = plgpu.kernel(body, out_type=out_type, grid=(rows,), grid_names=("row",), kernel_name="route_top_k",
-                                   interpret=interpret_params(interpret))(
-        logits.astype(jnp.float32).reshape((rows,) + tile), jnp.arange(n_experts, dtype=jnp.int32).reshape(tile))
+    kernel = plgpu.kernel(body, out_type=out_type, grid=(rows,), grid_names=("row",), kernel_name="route_top_k",
+                          interpret=interpret_params(interpret))
+    weights, chosen = kernel(logits.astype(jnp.float32).reshape((rows,) + tile),
+                             jnp.arange(n_experts, dtype=jnp.int32).reshape(tile))
     return weights[:, :top_k], chosen[:, :top_k]
 
 
