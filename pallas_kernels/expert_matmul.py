@@ -47,8 +47,9 @@ NUM_STAGES = 3
 TARGET_PROGRAMS = 264
 ROWS_ON_CHIP = False
 """Whether groups of one row are repeated to 16 on chip (no pad kernel before the product) rather than padded with
-zero rows in memory. Off until timed alone: with the MoE routing kernel and `delta_step` it took the 35B-A3B
-shape's decode step from 3.43 to 3.26 ms on the H200 (bench/results/decode_kernels_h200.json)."""
+zero rows in memory. Off: alone it took the 35B-A3B shape's decode step (32 layers) from 3.223 to 3.217 ms on an
+H100 (bench/results/decode_kernels.json), within what the passes vary; with the routing kernel and `delta_step` on
+it added nothing (3.018 ms against their 3.096 x 3.140 / 3.223 = 3.016)."""
 
 
 def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = "xla",

@@ -60,8 +60,7 @@ def test_the_kernel_matches_a_float64_step(dtype, dv):
 
 @pytest.fixture
 def step_kernel(monkeypatch):
-    """`gdn.STEP_KERNEL` on (off by default until a GPU has timed it)."""
-    assert not gdn.STEP_KERNEL
+    """`gdn.STEP_KERNEL` on (the default since an H100 timed it), whatever the module's setting."""
     monkeypatch.setattr(gdn, "STEP_KERNEL", True)
 
 

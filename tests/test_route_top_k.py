@@ -83,9 +83,10 @@ def test_moe_block_routed_by_the_kernel_matches_the_reference(monkeypatch):
 
 
 def test_impl_choice(monkeypatch):
-    assert moe.route_impl(256, 8, backend="gpu") == "xla", "off until a GPU has timed it (ROUTE_IMPL)"
+    assert moe.route_impl(256, 8, backend="gpu") == "pallas", "the Triton kernel by default (ROUTE_IMPL)"
+    monkeypatch.setattr(moe, "ROUTE_IMPL", "xla")
+    assert moe.route_impl(256, 8, backend="gpu") == "xla"
     monkeypatch.setattr(moe, "ROUTE_IMPL", "pallas")
-    assert moe.route_impl(256, 8, backend="gpu") == "pallas"
     assert moe.route_impl(256, 8, backend="cpu") == "xla"
     assert moe.route_impl(60, 4, backend="gpu") == "xla", "60 experts: not a power of two"
     assert moe.route_impl(256, MAX_TOP_K + 1, backend="gpu") == "xla"

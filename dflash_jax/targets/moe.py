@@ -5,7 +5,7 @@ softmax in float32, top-k, optionally renormalised to sum 1, weights cast to x's
 expert e is a SwiGLU MLP (`w_gate_up[e] [H, 2I]`, `w_down[e] [I, H]`); the block output is
 `sum_k weight_k * expert_k(x) + sigmoid(x @ shared_gate) * shared_swiglu(x)`. Weights are `[in, out]`.
 Gemma-4 (`gemma4.py`) routes its own way around `route` and runs `experts` with a tanh-GELU gate. After the
-router's product, a GPU can route in one kernel (`pallas_kernels/route_top_k.py`, `ROUTE_IMPL`, off until timed).
+router's product, a GPU can route in one kernel (`pallas_kernels/route_top_k.py`, `ROUTE_IMPL`).
 
 The routed experts have three implementations (`MOE_IMPLS`), all accumulating in float32:
 - `"grouped"`: the T*k (token, expert) rows sorted by expert into one group per distinct expert, each group
@@ -39,11 +39,11 @@ at 1 / 3 / 16 tokens, against the gather's 0.127 / 0.251 / 1.068 and `ragged_dot
 blocks keep `ragged_dot` until a full run decides: one of 3 samples a cell (the file's third run) timed 48 tokens
 at 0.82 ms grouped against 1.00 with `ragged_dot`, and reversed the 1-token order (grouped 0.116, gather 0.061)."""
 
-ROUTE_IMPL = "xla"
+ROUTE_IMPL = "pallas"
 """How a GPU routes (`route_top_k`'s impl): "xla", XLA's five kernels; "pallas", `pallas_kernels/route_top_k.py`'s
-kernel (softmax, top-k and renormalisation in one, Triton lowering); "mosaic", its Mosaic GPU port. "xla" until
-the kernels are timed alone: the Triton one, with `expert_matmul.ROWS_ON_CHIP` and `gdn.STEP_KERNEL`, took the
-35B-A3B shape's decode step from 3.43 to 3.26 ms on the H200 (bench/results/decode_kernels_h200.json)."""
+kernel (softmax, top-k and renormalisation in one, Triton lowering); "mosaic", its Mosaic GPU port. "pallas": on an
+H100 (bench/results/decode_kernels.json, the 35B-A3B shape cut to 32 layers, each setting compiled once and timed in
+turn, passes within 0.5%) it took the decode step from 3.223 to 3.096 ms (3.9%), the Mosaic GPU port to 3.213."""
 
 PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
 
