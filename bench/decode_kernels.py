@@ -1,11 +1,10 @@
 """The hybrid targets' decode-step kernel switches, each alone, on the plain decode step (GPU).
 
-`moe.ROUTE_IMPL` ("pallas": the Triton routing kernel; "mosaic": its Mosaic GPU port), `expert_matmul.ROWS_ON_CHIP`
-and `gdn.STEP_KERNEL` are read when a program is traced. The plain decode loop (`decoding.plain.run`, `--new`
-tokens after a prompt of `--prompt`) is compiled ahead of time once per setting: all off, each switch alone, all
-on (with the Triton routing kernel). Then the settings are timed in turn, `--passes`
-times over, each run from a fresh copy of the same prefilled state, so drift between passes hits every setting
-alike. `step_s` is the loop's median seconds over its `new - 1` steps; `roofline_ratio` as `bench/hybrid.py`
+`moe.ROUTE_IMPL` ("pallas": the Triton routing kernel; "mosaic": its Mosaic GPU port) and `gdn.STEP_KERNEL` are read
+when a program is traced. The plain decode loop (`decoding.plain.run`, `--new` tokens after a prompt of `--prompt`)
+is compiled ahead of time once per setting: all off, each switch alone, all on (with the Triton routing kernel).
+Then the settings are timed in turn, `--passes` times over, each run from a fresh copy of the same prefilled state,
+so drift between passes hits every setting alike. `step_s` is the loop's median seconds over its `new - 1` steps; `roofline_ratio` as `bench/hybrid.py`
 (bytes a step moves over the run's HBM read bandwidth); `over_off` the setting's step over the all-off step.
 A switch that has no layer to act on (no MoE layer) is not timed.
 
@@ -31,13 +30,13 @@ from dflash_jax import sampling as smp
 from dflash_jax.decoding import plain
 from dflash_jax.decoding.common import pack_prompts, stop_array
 from dflash_jax.targets import gdn, moe
-from pallas_kernels import expert_matmul
 
 SWITCHES = {"route": (moe, "ROUTE_IMPL", "pallas"), "route_mosaic": (moe, "ROUTE_IMPL", "mosaic"),
-            "rows_on_chip": (expert_matmul, "ROWS_ON_CHIP", True), "delta_step": (gdn, "STEP_KERNEL", True)}
-"""Name -> (module, attribute, its value when on)."""
-OFF = {"ROUTE_IMPL": "xla", "ROWS_ON_CHIP": False, "STEP_KERNEL": False}
-MOE_ONLY = ("route", "route_mosaic", "rows_on_chip")
+            "delta_step": (gdn, "STEP_KERNEL", True)}
+"""Name -> (module, attribute, its value when on). (`expert_matmul`'s on-chip repeat of one-row groups, timed here
+on 2026-12-06, gained nothing and was removed.)"""
+OFF = {"ROUTE_IMPL": "xla", "STEP_KERNEL": False}
+MOE_ONLY = ("route", "route_mosaic")
 
 
 def settings(cfg) -> dict:

@@ -15,9 +15,9 @@ and a gather copies each expert per token.
 so nothing is copied) in `[BLOCK_K, BLOCK_N]` tiles, software-pipelined; a dead group's program
 runs no tile and writes zeros. Grid: (group, output tile, K split). A decode step has only k
 groups of one row, so K is split until the grid has about `TARGET_PROGRAMS` programs (the H200
-has 132 SMs); the splits' partial products are summed afterwards, in a fixed order. With `ROWS_ON_CHIP` a group
-of one row is read as it is and repeated to the tensor cores' 16 rows on chip, instead of padded to 16 in memory by
-a kernel of its own before the product.
+has 132 SMs); the splits' partial products are summed afterwards, in a fixed order. (Repeating a one-row group
+to the tensor cores' 16 rows on chip, instead of padding it in memory by a kernel before the product, gained nothing
+measurable on a 35B-A3B decode step, 3.217 against 3.223 ms on an H100, and was removed.)
 
 Lowering: Triton. The expert index selects the matrix inside the kernel, a dynamic offset on
 the weight's leading axis; Mosaic GPU on JAX 0.11 takes block offsets only from the grid
@@ -45,11 +45,6 @@ BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 TARGET_PROGRAMS = 264
-ROWS_ON_CHIP = False
-"""Whether groups of one row are repeated to 16 on chip (no pad kernel before the product) rather than padded with
-zero rows in memory. Off: alone it took the 35B-A3B shape's decode step (32 layers) from 3.223 to 3.217 ms on an
-H100 (bench/results/decode_kernels.json), within what the passes vary; with the routing kernel and `delta_step` on
-it added nothing (3.018 ms against their 3.096 x 3.140 / 3.223 = 3.016)."""
 
 
 def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = "xla",
@@ -83,20 +78,15 @@ def _kernel(e_ref, x_ref, w_ref, o_ref, *, block_k, block_n, steps, precision):
     e = e_ref[()]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
     first = pl.program_id(2) * steps
-    rows_out = max(ROWS, o_ref.shape[0])  # a one-row group's row, repeated for the tensor cores
 
     def step(t, acc):
         rows = pl.ds((first + t) * block_k, block_k)
-        x = jnp.broadcast_to(x_ref[:, rows], (rows_out, block_k))
-        return acc + jnp.dot(x, w_ref[e, rows, cols], precision=precision, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x_ref[:, rows], w_ref[e, rows, cols], precision=precision,
+                             preferred_element_type=jnp.float32)
 
     @pl.when(e >= 0)
     def _live():
-        acc = lax.fori_loop(0, steps, step, jnp.zeros((rows_out, block_n), jnp.float32))
-        if o_ref.shape[0] < rows_out:  # every row the same: keep the first (adding zeros, exactly)
-            first_row = lax.broadcasted_iota(jnp.int32, acc.shape, 0) == 0
-            acc = jnp.sum(jnp.where(first_row, acc, 0.0), axis=0, keepdims=True)
-        o_ref[...] = acc
+        o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
 
     @pl.when(e < 0)
     def _dead():
@@ -111,13 +101,11 @@ def _splits(programs: int, k_steps: int, target: int) -> int:
 
 def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, target_programs: int = TARGET_PROGRAMS):
-    """Pad rows to `padded_rows` (one row stays one, `ROWS_ON_CHIP`), K and N to their tiles (zeros add nothing),
-    run the grid, sum the splits, crop."""
+    """Pad rows to `padded_rows`, K and N to their tiles (zeros add nothing), run the grid, sum the splits, crop."""
     g, m, k = expert.shape[0], x.shape[1], x.shape[2]
     n = w.shape[2]
-    mp = 1 if m == 1 and ROWS_ON_CHIP else padded_rows(m)
-    block_k, block_n, num_stages = fit_tiles(max(mp, ROWS), x.dtype.itemsize,
-                                             min(block_k, max(16, pl.next_power_of_2(k))),
+    mp = padded_rows(m)
+    block_k, block_n, num_stages = fit_tiles(mp, x.dtype.itemsize, min(block_k, max(16, pl.next_power_of_2(k))),
                                              min(block_n, max(16, pl.next_power_of_2(n))), num_stages)
     kp, np_ = _round_up(k, block_k), _round_up(n, block_n)
     x = jnp.pad(x, ((0, 0), (0, mp - m), (0, kp - k)))

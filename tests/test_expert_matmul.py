@@ -85,14 +85,9 @@ def test_tiles_shrink_to_fit_shared_memory_for_tall_groups():
         fit_tiles(16384, 4, *defaults)
 
 
-@pytest.mark.parametrize("on_chip", [True, False])
-def test_one_row_groups_and_shared_rows(monkeypatch, on_chip):
-    """A decode step's groups of one row: read as they are and repeated to 16 on chip (no pad kernel), or padded in
-    memory; and x given once, `[1, M, K]`, for every group (the step's one token meets each of its k experts).
-    Either way the kernel gives the reference's product; dead groups stay exact zeros."""
-    import pallas_kernels.expert_matmul as em
-
-    monkeypatch.setattr(em, "ROWS_ON_CHIP", on_chip)
+def test_one_row_groups_and_shared_rows():
+    """A decode step's groups of one row, and x given once, `[1, M, K]`, for every group (the step's one token meets
+    each of its k experts): the kernel gives the reference's product; dead groups stay exact zeros."""
     x, w = inputs(4, 1, 96, 48, 6, jnp.bfloat16, seed=11)
     expert = jnp.asarray([5, 0, -1, 3], jnp.int32)
     ref = loop(x, w, [5, 0, -1, 3])
@@ -115,7 +110,7 @@ def test_one_row_groups_and_shared_rows(monkeypatch, on_chip):
 
 @pytest.mark.parametrize("groups, rows", [(1, 1), (8, 1), (8, 16)])
 def test_the_kernel_lowers_to_triton_for_cuda(groups, rows):
-    """The Pallas-to-Triton lowering runs here without a GPU: a decode step's shared row (repeated on chip) and its
+    """The Pallas-to-Triton lowering runs here without a GPU: a decode step's shared row and its
     8 one-row groups, and a verify's groups of 16, through Qwen3.5-35B-A3B's expert shape."""
     fn = jax.jit(lambda x, w, e: expert_matmul(x, w, e, impl="pallas"))
     args = (jax.ShapeDtypeStruct((groups, rows, 2048), jnp.bfloat16),
