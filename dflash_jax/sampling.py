@@ -348,12 +348,11 @@ the Mosaic GPU lowering, on CUDA; "xla" runs the reference everywhere, which XLA
 THRESHOLD_SUMS_CHOICES = ("pallas", "mosaic", "xla")
 
 
-def _threshold_keep_where_compiled(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int = FILTER_WAYS,
-                                   impl: str = "pallas") -> jax.Array:
-    """`_threshold_keep` with the kernel's sums (`impl`) in a program compiled for a GPU, the reference's elsewhere."""
-    if impl == "mosaic":  # key_sums picks the kernel on CUDA and the reference elsewhere itself
-        return _threshold_keep(z, top_k, top_p, ways, impl="mosaic")
-    kernel = functools.partial(_threshold_keep, ways=ways, impl=impl, interpret=False)
+def _threshold_keep_where_compiled(z: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                                   ways: int = FILTER_WAYS) -> jax.Array:
+    """`_threshold_keep` with the Triton kernel's sums in a program compiled for CUDA or ROCm, the reference's
+    elsewhere."""
+    kernel = functools.partial(_threshold_keep, ways=ways, impl="pallas", interpret=False)
     return jax.lax.platform_dependent(z, top_k, top_p, cuda=kernel, rocm=kernel,
                                       default=functools.partial(_threshold_keep, ways=ways, impl="xla"))
 
@@ -363,9 +362,10 @@ def _threshold_search():
     `_top_k_top_p_keep`)."""
     if THRESHOLD_SUMS not in THRESHOLD_SUMS_CHOICES:
         raise ValueError(f"THRESHOLD_SUMS={THRESHOLD_SUMS!r} is not known; valid choices: {THRESHOLD_SUMS_CHOICES}.")
-    if THRESHOLD_SUMS == "xla":
-        return functools.partial(_threshold_keep, impl="xla")
-    return functools.partial(_threshold_keep_where_compiled, impl=THRESHOLD_SUMS)
+    if THRESHOLD_SUMS == "pallas":
+        return functools.partial(_threshold_keep_where_compiled)
+    # "xla"; or "mosaic", whose sums pick the kernel on CUDA and the reference elsewhere themselves
+    return functools.partial(_threshold_keep, impl=THRESHOLD_SUMS)
 
 
 def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int = FILTER_WAYS, impl: str = "xla",

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_gpu
 from pallas_kernels.mosaic_gpu import interpret_params
 from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
 
@@ -111,14 +112,14 @@ def row_sums(keys: jax.Array, values: jax.Array | None = None, *, pivots: int, i
                 sums = sums - jnp.where(piv == smallest, vp - v, 0)
             return sums.reshape(lead + (pivots,))
 
+        def unpadded(pivots_: jax.Array, *row_values: jax.Array) -> jax.Array:
+            """The reference over the rows as given: what a Mosaic GPU program lowered off CUDA runs."""
+            return reference(keys, pivots_, *([values] if row_values else []))
+
         def run(pivots_: jax.Array, *row_values: jax.Array) -> jax.Array:
-            if impl == "pallas" or interpret is not None:
+            if impl == "pallas":
                 return kernel_sums(checked(pivots_), *row_values, interpret=interpret)
-            # Mosaic GPU compiles for CUDA only, and its interpreter's callbacks cannot sit in a branch of
-            # `platform_dependent`: elsewhere the reference
-            return jax.lax.platform_dependent(
-                checked(pivots_), *row_values, cuda=functools.partial(kernel_sums, interpret=False),
-                default=lambda p, *w: reference(keys, p, *(() if not w else (values,))))
+            return mosaic_gpu.where_lowered(kernel_sums, interpret, unpadded)(checked(pivots_), *row_values)
 
     return run, None if values is None else (lambda pivots_: run(pivots_, padded))
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_gpu
 from pallas_kernels.mosaic_gpu import interpret_params
 from pallas_kernels.windowed_attention import _triton_compiler_params, where_lowered
 
@@ -74,12 +75,12 @@ def route_top_k(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None,
         least = " of at least 128" if impl == "mosaic" else ""
         raise ValueError(f"route_top_k: the {impl} kernel takes a power-of-two number of experts{least} and top_k <= "
                          f"{MAX_TOP_K}; got E = {n_experts}, top_k = {top_k}. Use impl='xla'.")
-    kernel = _pallas_route if impl == "pallas" else _mosaic_route
-    call = functools.partial(kernel, top_k=int(top_k), norm=bool(norm_topk_prob), dtype=dtype)
-    if impl == "mosaic" and interpret is None:  # CUDA only; the interpreter cannot sit in a platform branch
-        return jax.lax.platform_dependent(logits, cuda=functools.partial(call, interpret=False),
-                                          default=lambda z: reference(z, int(top_k), norm_topk_prob, dtype))
-    return where_lowered(call, interpret)(logits)
+    if impl == "pallas":
+        call = functools.partial(_pallas_route, top_k=int(top_k), norm=bool(norm_topk_prob), dtype=dtype)
+        return where_lowered(call, interpret)(logits)
+    call = functools.partial(_mosaic_route, top_k=int(top_k), norm=bool(norm_topk_prob), dtype=dtype)
+    return mosaic_gpu.where_lowered(call, interpret, functools.partial(
+        reference, top_k=int(top_k), norm_topk_prob=norm_topk_prob, dtype=dtype))(logits)
 
 
 def _kernel(logits_ref, weights_ref, experts_ref, *, top_k: int, norm: bool):
