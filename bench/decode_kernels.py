@@ -4,8 +4,9 @@
 when a program is traced. The plain decode loop (`decoding.plain.run`, `--new` tokens after a prompt of `--prompt`)
 is compiled ahead of time once per setting: all off, each switch alone, all on (with the Triton routing kernel).
 Then the settings are timed in turn, `--passes` times over, each run from a fresh copy of the same prefilled state,
-so drift between passes hits every setting alike. `step_s` is the loop's median seconds over its `new - 1` steps; `roofline_ratio` as `bench/hybrid.py`
-(bytes a step moves over the run's HBM read bandwidth); `over_off` the setting's step over the all-off step.
+so drift between passes hits every setting alike. `step_s` is the loop's median seconds over its `new - 1` steps;
+`roofline_ratio` as `bench/hybrid.py` (bytes a step moves over the run's HBM read bandwidth); `over_off` the
+setting's step over the all-off step.
 A switch that has no layer to act on (no MoE layer) is not timed.
 
     python bench/decode_kernels.py                          # H200: writes bench/results/decode_kernels.json
@@ -79,8 +80,8 @@ def measure(target, prompt: int, new: int, impl: str, passes: int) -> dict:
     set_switches(())
     s0 = jax.block_until_ready(plain.start(loop, target, jnp.asarray(p.tokens), jnp.asarray(p.lengths),
                                            target.init_state(1, prompt + new), rp, stops))
-    compiled, compile_s = {}, {}
-    for name, on in settings(cfg).items():
+    compiled, compile_s, switched = {}, {}, settings(cfg)
+    for name, on in switched.items():
         set_switches(on)
         jax.clear_caches()
         t0 = time.perf_counter()
@@ -99,7 +100,7 @@ def measure(target, prompt: int, new: int, impl: str, passes: int) -> dict:
             out = jax.block_until_ready(run(target, s, stops))
             times[name].append(time.perf_counter() - t0)
             outputs[name] = np.asarray(out.out[0, :int(out.n_out[0])])
-    cells = {name: {"on": list(settings(cfg)[name]), "step_s": statistics.median(t[1:]) / (new - 1),
+    cells = {name: {"on": list(switched[name]), "step_s": statistics.median(t[1:]) / (new - 1),
                     "pass_steps_s": [x / (new - 1) for x in t[1:]], "compile_s": compile_s[name],
                     "same_tokens_as_off": bool(np.array_equal(outputs[name], outputs["off"]))}
              for name, t in times.items()}

@@ -113,6 +113,7 @@ def self_attention_cell(cfg, n: int, reps: int) -> dict:
     k, v = (jax.random.normal(key, (1, n, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16) for key in keys[1:])
     flops = 2 * n * n * cfg.num_heads * cfg.head_dim  # QK^T and PV over the lower triangle
     fns = {"cudnn": jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"))}
+
     def mosaic(q, k, v, config):
         # no softmax scale of its own: q comes in scaled, as cuDNN's default scales it; its shared-memory buffers are
         # float16, so it takes float16 (the same FLOPs)
@@ -183,8 +184,10 @@ def main(argv=None):
               f"{gemm / 1e12:.1f} TFLOP/s")
     attention = attention_cells(target.config, prompt, chunks, args.reps + 2) if jax.default_backend() == "gpu" \
         else "skipped: cuDNN attention needs a GPU"
-    self_attention = (self_attention_cell(target.config, args.self_attention, args.reps + 2)
-                      if jax.default_backend() == "gpu" and args.self_attention > 0 else "skipped: needs a GPU")
+    if jax.default_backend() != "gpu" or args.self_attention <= 0:
+        self_attention = "skipped: needs a GPU and --self-attention > 0"
+    else:
+        self_attention = self_attention_cell(target.config, args.self_attention, args.reps + 2)
     default_attention = policy.prefill_attention("pallas", -(-prompt // policy.PREFILL_CHUNK))
     default = by_chunk.get(f"{default_attention}_{policy.PREFILL_CHUNK}")
     payload = common.environment(**vars(args)) | {
