@@ -72,6 +72,7 @@ step plain_decode python bench/plain_decode.py ${plain_args[@]+"${plain_args[@]}
 step spec_round python bench/spec_round.py $tiny --out "$out"
 step acceptance python bench/acceptance.py $tiny ${acceptance_args[@]+"${acceptance_args[@]}"} --out "$out"
 step call_cost python bench/call_cost.py $tiny ${call_cost_args[@]+"${call_cost_args[@]}"} --out "$out"
+step call_dispatch python bench/call_dispatch.py $tiny --out "$out"  # what the fixed cost is made of (summary.py)
 step prefill python bench/prefill.py $tiny ${prefill_args[@]+"${prefill_args[@]}"} --out "$out"
 step gemm_check python bench/gemm_check.py $tiny --out "$out"
 step profile_round python bench/profile_round.py $tiny --out "$out"

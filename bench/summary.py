@@ -6,7 +6,10 @@ round_over_plain_step, speedup_at_tau_6_5, loop_overhead, speedup_over_static_pe
 and 8, with one-hot and dense q (call_cost.py's cells), and prefill_share_of_peak (prefill.py). Also device,
 jax_version, date, the source file of each number, and the run checks (compiles after warm-up, lossless, skipped
 cells, whether injected proposals let XLA drop the drafter, plain decoding over the stricter read-only roofline);
-prints target vs measured. A missing source leaves its value null.
+prints target vs measured. A missing source leaves its value null. Each missed target gets `held_back_by`: what holds
+it back, in a sentence and its numbers, from the files of `EVIDENCE` beside the sources (`HELD_BACK`: a step's and a
+round's kernels from profile_round.json, a call's fixed cost from call_dispatch.json, the sampling filter alone from
+sampling_filter.json where it is there); null when a file it needs is missing.
 
     python bench/summary.py                     # reads and writes bench/results
     python bench/summary.py --out DIR --strict  # exit status 1 if any run compiled after its warm-up
@@ -50,6 +53,11 @@ TARGETS = (
      "a 32,000-token prompt's prefill, weight FLOPs per second over ~789 TFLOP/s (bf16 on the H200)"),
 )
 SOURCES = ("plain_decode", "spec_round", "acceptance", "sweep", "call_cost", "prefill")
+EVIDENCE = ("profile_round", "call_dispatch", "sampling_filter")
+"""Files that say why a target is missed (`held_back`): where a step's and a round's device time goes, what a call's
+fixed cost is made of, what the sampling filter costs alone."""
+GEMM_NAMES = ("gemm", "nvjet", "cublas", "dot")
+"""Kernel names of matrix products: XLA's GEMM fusions, cuBLAS kernels, and on a CPU trace the dot ops."""
 
 
 def _ratio(d: dict, batch: int, sampling: str):
@@ -76,6 +84,129 @@ def _measured_at(name: str, d: dict) -> dict:
     return {k: head.get(k) for k in ("batch", "prompt", "tau", "tau_measured") if k in head}
 
 
+def _is_gemm(name: str) -> bool:
+    return any(g in name.lower() for g in GEMM_NAMES)
+
+
+def _by_kind(section: dict) -> dict:
+    return {k["name"].rstrip("_"): k["us"] for k in section["kinds"]}
+
+
+def _plain_held_back(d: dict) -> dict:
+    """Where a plain step's device time goes (profile_round.json's `plain_step`), against plain_decode.json's step."""
+    prof, plain = d["profile_round"], d["plain_decode"]
+    step = prof["plain_step"]
+    gemm_us = sum(k["us"] for k in step["kinds"] if _is_gemm(k["name"]))
+    gemms = sum(k["calls"] for k in step["kinds"] if _is_gemm(k["name"]))
+    others = sorted((k for k in step["kinds"] if not _is_gemm(k["name"])), key=lambda k: -k["us"])
+    rate = prof["weight_bytes"] / (gemm_us * 1e-6)
+    step_us = plain["ours"]["decode_step_s"] * 1e6
+    largest = ", ".join(f"{k['name']} {k['us']:.0f}" for k in others[:3])
+    return {"what": f"a plain step takes {step_us:.0f} us; in its profile the GPU is busy {step['busy_us']:.0f} us a "
+                    f"step: {gemms:.0f} GEMMs {gemm_us:.0f} us, reading the weights at {rate / 1e12:.2f} TB/s "
+                    f"({rate / plain['hbm_bandwidth_Bps']:.2f} of the copy bandwidth), and "
+                    f"{step['kernels'] - gemms:.0f} other kernels {step['busy_us'] - gemm_us:.0f} us ({largest} us)",
+            "step_us": step_us, "busy_us": step["busy_us"], "gemm_us": gemm_us, "gemm_read_Bps": rate,
+            "other_kernels": step["kernels"] - gemms, "other_us": step["busy_us"] - gemm_us,
+            "ratio_with_gemms_alone": plain["step_bytes"] / plain["hbm_bandwidth_Bps"] / (gemm_us * 1e-6)}
+
+
+def _round_held_back(d: dict) -> dict:
+    """What a round keeps the GPU busy with beyond a plain step (profile_round.json, the real drafter's rounds)."""
+    prof = d["profile_round"]
+    plain, rnd = _by_kind(prof["plain_step"]), _by_kind(prof["spec_round_real"])
+    extra = sorted(((name, rnd.get(name, 0.0) - plain.get(name, 0.0)) for name in set(plain) | set(rnd)),
+                   key=lambda e: -e[1])
+    gemm = sum(e for name, e in extra if _is_gemm(name))
+    busy = prof["spec_round_real"]["busy_us"] - prof["plain_step"]["busy_us"]
+    largest = ", ".join(f"{name} +{e:.0f}" for name, e in [e for e in extra if not _is_gemm(e[0])][:4])
+    return {"what": f"in the profile a round keeps the GPU busy {prof['round_over_step_busy']:.3f} plain steps; "
+                    f"of its {busy:.0f} us beyond a step, GEMMs take {gemm:.0f} (the verify's 16 rows and the "
+                    f"drafter's {prof['drafter_bytes'] / 1e9:.1f} GB of weights), other kernels the rest ({largest} us)",
+            "round_over_step_busy": prof["round_over_step_busy"], "extra_busy_us": busy, "extra_gemm_us": gemm,
+            "extra_by_kind_us": dict(extra[:8])}
+
+
+def _speedup_held_back(d: dict) -> dict:
+    """A speedup is tokens a round over the round's cost in plain steps: what the round would have to cost."""
+    head, ratio = d["acceptance"]["headline"], d["spec_round"]["headline"]["round_over_plain_step"]
+    goal = next(t[4] for t in TARGETS if t[0] == "speedup_at_tau_6_5")
+    need = head["tau_measured"] / goal
+    return {"what": f"the round: at acceptance {head['tau_measured']:.2f} a round of {ratio:.3f} plain steps caps the "
+                    f"speedup near {head['ceiling']:.2f}x; {goal}x needs a round of about {need:.2f} plain steps "
+                    "(see round_over_plain_step)",
+            "round_over_plain_step": ratio, "ceiling": head["ceiling"], "round_needed": need}
+
+
+def _fixed_cost_held_back(d: dict) -> dict:
+    """What a call of the loop pays beyond its rounds (call_dispatch.json)."""
+    rows, leaves = d["call_dispatch"]["rows"], d["call_dispatch"]["leaves"]
+    empty, passing = rows["run_burst_0"], rows["passthrough_state"]
+    n = leaves["target_params"] + leaves["drafter_params"] + leaves["state"]
+    out = {"what": f"a call that runs no round costs {empty['total_s'] * 1e3:.2f} ms (dispatch "
+                   f"{empty['dispatch_s'] * 1e3:.2f}, the report's fetch {empty['fetch_s'] * 1e3:.2f}); a program that "
+                   f"takes the same {n} argument leaves and does nothing costs {passing['total_s'] * 1e3:.2f} ms",
+           "no_round_call_s": empty["total_s"], "same_leaves_noop_s": passing["total_s"], "argument_leaves": n}
+    fit = d["call_dispatch"].get("fit")
+    if fit:
+        out["what"] += f"; calls of rounds fit {fit['beyond_rounds_s'] * 1e3:.2f} ms beyond their rounds"
+        out["beyond_rounds_s"] = fit["beyond_rounds_s"]
+    return out
+
+
+def _sampled_held_back(batch: int, sampling: str):
+    def held(d: dict) -> dict:
+        cells = {(c["batch"], c["sampling"]): c for c in d["call_cost"]["cells"]}
+        greedy, cell = cells[(batch, "greedy")], cells[(batch, sampling)]
+        extra = cell["round_s"] - greedy["round_s"]
+        out = {"what": f"a round at batch {batch} costs {extra * 1e3:.2f} ms more than a greedy one "
+                       f"({cell['round_s'] * 1e3:.2f} against {greedy['round_s'] * 1e3:.2f} ms)",
+               "extra_per_round_s": extra}
+        alone = next((c for c in (d.get("sampling_filter") or {}).get("cells", [])
+                      if c["batch"] == batch and c["setting"] == "k50_p0.9"), None)
+        if alone:
+            out["what"] += (f"; the filter over a verify's {alone['rows']} rows alone took "
+                            f"{alone['threshold_us'] / 1e3:.2f} ms (sampling_filter.json)")
+            out["filter_alone_s"] = alone["threshold_us"] * 1e-6
+        return out
+    return held
+
+
+def _prefill_held_back(d: dict) -> dict:
+    p = d["prefill"]
+    attention = 1 - p["weight_flops"] / p["flops"]
+    return {"what": f"the prefill runs at {p['share_of_gemm']:.2f} of the same run's {p['gemm_side']}^3 product "
+                    f"({p['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s) with the attention counted; the target counts the "
+                    f"weights' FLOPs alone, and the attention is {attention:.0%} of the work at this length",
+            "share_of_gemm": p["share_of_gemm"], "attention_share_of_flops": attention}
+
+
+HELD_BACK = {
+    "plain_roofline_ratio": (("profile_round", "plain_decode"), _plain_held_back),
+    "round_over_plain_step": (("profile_round",), _round_held_back),
+    "speedup_at_tau_6_5": (("acceptance", "spec_round"), _speedup_held_back),
+    "fixed_cost_per_call_s": (("call_dispatch",), _fixed_cost_held_back),
+    "sampled_round_over_greedy_b1": (("call_cost",), _sampled_held_back(1, "sampled")),
+    "sampled_round_over_greedy_b8": (("call_cost",), _sampled_held_back(8, "sampled")),
+    "dense_q_round_over_greedy_b1": (("call_cost",), _sampled_held_back(1, "sampled_dense")),
+    "dense_q_round_over_greedy_b8": (("call_cost",), _sampled_held_back(8, "sampled_dense")),
+    "prefill_share_of_peak": (("prefill",), _prefill_held_back),
+}
+"""Target key -> (the files it needs, what it reads from them): what holds a missed target back."""
+
+
+def held_back(key: str, data: dict):
+    """What holds target `key` back, from the files in `data` (name -> payload or None); None when a file it needs is
+    missing or lacks a cell."""
+    needs, read = HELD_BACK.get(key, ((), None))
+    if read is None or any(data.get(name) is None for name in needs):
+        return None
+    try:
+        return read(data) | {"from": [f"{name}.json" for name in needs]}
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 def summarize(folder: str, tiny: bool) -> dict:
     data = {name: _load(folder, name, tiny) for name in SOURCES}
     out, targets, sources = {}, {}, {}
@@ -91,6 +222,10 @@ def summarize(folder: str, tiny: bool) -> dict:
         targets[key] = {"target": f"{op} {goal}", "measured": value, "met": met, "what": what,
                         "source": os.path.basename(path), "source_date": d and d.get("date"),
                         "measured_at": _measured_at(name, d) if d else None}
+    loaded = {name: d for name, (d, _) in data.items()} | {name: _load(folder, name, tiny)[0] for name in EVIDENCE}
+    for key, t in targets.items():
+        if t["met"] is False:
+            t["held_back_by"] = held_back(key, loaded)
     present = [d for d, _ in data.values() if d is not None]
     first = present[0] if present else {}
     checks = {"no_recompile": {}, "lossless": {}, "skipped_cells": [], "drafter_dropped_with_inject": None}
@@ -128,6 +263,8 @@ def print_table(s: dict) -> None:
         m = "-" if t["measured"] is None else f"{t['measured']:.3f}"
         met = {True: "yes", False: "NO", None: "-"}[t["met"]]
         print(f"{key:<{width}} {t['target']:>8} {m:>10}  {met:<4}  {t['source']}")
+        if t.get("held_back_by"):
+            print(f"{'':<{width}}   held back: {t['held_back_by']['what']}")
     c = s["checks"]
     print(f"no recompile after warm-up: {c['no_recompile']}")
     print(f"lossless (speculative == plain tokens): {c['lossless']}")
