@@ -4,6 +4,7 @@ import dataclasses
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -429,6 +430,20 @@ def test_resolve_choice_order_and_refusal():
     assert policy.resolve_choice("vt", "ladder", "confidence", choices, env={"DFLASH_VT": "confidence"}) == "ladder"
     with pytest.raises(ValueError, match="DFLASH_VT='fixed': unknown vt; choices: ladder, confidence"):
         policy.resolve_choice("vt", None, "ladder", choices, env={"DFLASH_VT": "fixed"})
+
+
+def test_decode_loops_run_as_one_graph_unless_switched_off():
+    options = policy.loop_compiler_options(env={})
+    commands = options["xla_gpu_enable_command_buffer"].split(",")
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS"} <= set(commands), "XLA's defaults plus the loop itself"
+    assert policy.loop_compiler_options(env={"DFLASH_LOOP_GRAPH": "0"}) == {}, "0 leaves XLA's defaults"
+    assert policy.loop_compiler_options(env={"DFLASH_LOOP_GRAPH": "1"}) == options
+    with pytest.raises(ValueError, match="DFLASH_LOOP_GRAPH='yes': unknown loop_graph; choices: 0, 1"):
+        policy.loop_compiler_options(env={"DFLASH_LOOP_GRAPH": "yes"})
+    # XLA refuses a command it does not know when a program compiles: every name is one of this JAX's
+    assert float(jax.jit(lambda x: x + 1, compiler_options=options)(1.0)) == 2.0
+    with pytest.raises(Exception, match="not a valid enum value"):
+        jax.jit(lambda x: x + 2, compiler_options={"xla_gpu_enable_command_buffer": "FUSION,LOOPS"})(1.0)
 
 
 def test_clamp_vt_fixes_the_original_panic_below_three():

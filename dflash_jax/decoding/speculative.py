@@ -24,6 +24,7 @@ import numpy as np
 from flax import struct
 
 from dflash_jax import sampling as smp
+from dflash_jax.config import policy
 from dflash_jax.decoding.common import append_tokens, choose, finite_rows, open_output, prefill
 from dflash_jax.drafters.base import Drafter, Proposal, ProposeSettings
 from dflash_jax.targets.base import Target
@@ -287,7 +288,8 @@ def run(loop: Loop, target, drafter, state: SpecState, stop_tokens):
     return loop.run(target, drafter, state, stop_tokens)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3,
+                   compiler_options=policy.loop_compiler_options())
 def run_burst(loop: Loop, target, drafter, state: SpecState, stop_tokens, limit):
     """`run` to a new `limit` and the resulting state's `report`: a session's burst is this one dispatch (the limit
     travels with it) and one transfer back."""
