@@ -122,7 +122,8 @@ def _round_held_back(d: dict) -> dict:
     largest = ", ".join(f"{name} +{e:.0f}" for name, e in [e for e in extra if not _is_gemm(e[0])][:4])
     return {"what": f"in the profile a round keeps the GPU busy {prof['round_over_step_busy']:.3f} plain steps; "
                     f"of its {busy:.0f} us beyond a step, GEMMs take {gemm:.0f} (the verify's 16 rows and the "
-                    f"drafter's {prof['drafter_bytes'] / 1e9:.1f} GB of weights), other kernels the rest ({largest} us)",
+                    f"drafter's {prof['drafter_bytes'] / 1e9:.1f} GB of weights), other kernels the rest "
+                    f"({largest} us)",
             "round_over_step_busy": prof["round_over_step_busy"], "extra_busy_us": busy, "extra_gemm_us": gemm,
             "extra_by_kind_us": dict(extra[:8])}
 
