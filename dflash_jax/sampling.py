@@ -205,7 +205,7 @@ def _per_row(param: jax.Array, like: jax.Array) -> jax.Array:
     return param.reshape(param.shape + (1,) * (like.ndim - param.ndim))
 
 
-FILTER_IMPLS = ("sort", "candidates", "threshold")
+FILTER_IMPLS = ("sort", "candidates", "threshold", "groups")
 FILTER_IMPL = "threshold"
 """How top-k/top-p find their cut: one sort of the vocabulary (`_sorted_keep`, the rule), the candidate search
 (`_candidate_keep`, which falls back to the sort), or a search over the logits' order keys (`_threshold_keep`:
@@ -230,21 +230,30 @@ def _sorted_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     tie-closed set whose mass reaches top_p; always at least the most likely token;
     Hugging Face agrees except that it splits ties by sort order).
     """
-    v = z.shape[-1]
-    index_shape = z.shape[:-1] + (1,)
-    s = jnp.sort(z, axis=-1, descending=True)
-    k_index = jnp.broadcast_to(jnp.clip(top_k, 1, v) - 1, index_shape)
-    thr_k = jnp.take_along_axis(s, k_index, axis=-1)
-    thr_k = jnp.where((top_k > 0) & (top_k < v), thr_k, -jnp.inf)
+    return z >= _sorted_cut(jnp.sort(z, axis=-1, descending=True), top_k, top_p, z.shape[-1])
+
+
+def _sorted_cut(s: jax.Array, top_k: jax.Array, top_p: jax.Array, v: int, total=None) -> jax.Array:
+    """`[..., 1]`: the value `_sorted_keep` cuts a row of `v` tokens at, from `s`, descending values of the row
+    (-inf padded) that hold at least every token at or above top-k's cut when top-k is on, else the whole row, or
+    its head when `total` gives the whole row's sum of `exp(z - max)` (top-p's mass is normalised over it)."""
+    k_on = (top_k > 0) & (top_k < v)
+    thr_k = jnp.take_along_axis(s, jnp.broadcast_to(jnp.clip(top_k, 1, s.shape[-1]) - 1, s.shape[:-1] + (1,)),
+                                axis=-1)
+    thr_k = jnp.where(k_on, thr_k, -jnp.inf)
     s = jnp.where(s >= thr_k, s, -jnp.inf)
-    probs = jax.nn.softmax(s, axis=-1)
+    if total is None:
+        probs = jax.nn.softmax(s, axis=-1)
+    else:
+        weights = jnp.exp(s - s[..., :1])
+        probs = weights / jnp.where(k_on, jnp.sum(weights, axis=-1, keepdims=True), total)
     mass_before = jnp.concatenate(
         [jnp.zeros_like(probs[..., :1]), jnp.cumsum(probs, axis=-1)[..., :-1]], axis=-1
     )
     n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
     thr_p = jnp.take_along_axis(s, jnp.maximum(n_keep, 1) - 1, axis=-1)
     thr_p = jnp.where(top_p < 1, thr_p, -jnp.inf)
-    return z >= jnp.maximum(thr_k, thr_p)
+    return jnp.maximum(thr_k, thr_p)
 
 
 def _candidate_cuts(z: jax.Array, top_k: jax.Array, top_p: jax.Array, group: int = FILTER_GROUP,
@@ -289,6 +298,63 @@ def _candidate_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
     `_sorted_keep` (the same support either way)."""
     exact, keep = _candidate_cuts(z, top_k, top_p)
     return jax.lax.cond(jnp.all(exact), lambda: keep, lambda: _sorted_keep(z, top_k, top_p))
+
+
+TOP_GROUP = 128
+"""Vocabulary positions per group of the group search (`_group_cuts`)."""
+TOP_GROUPS = 64
+"""Groups the group search gathers: the largest top-k it serves (larger ones take the threshold search), and the
+head it keeps for top-p alone."""
+TOP_CANDIDATES = 256
+"""Candidates the group search sorts per row: tokens at or above the n-th largest group maximum."""
+
+
+def _group_cuts(z: jax.Array, top_k: jax.Array, top_p: jax.Array, group: int = TOP_GROUP, groups: int = TOP_GROUPS,
+                width: int = TOP_CANDIDATES) -> tuple[jax.Array, jax.Array]:
+    """`(fits, keep)`: `_sorted_keep`'s support from a sort of at most `width` candidates per row, and per row
+    whether that is exact. No pass over the vocabulary but its group maxima's, one sum and the final cut.
+
+    The vocabulary is cut into groups of `group` positions. The n largest group maxima are n tokens, so the n-th
+    largest logit is at or above `bound`, the n-th largest group maximum (n = top_k, or `groups` for a row without
+    top-k), and every token at or above it lies in a group whose maximum is: with no more than `groups` such
+    groups, the `groups` groups of largest maximum hold them all. Those tokens are gathered, the ones at or above
+    `bound` compacted into `width` slots and sorted: the head of the full sort down past the n-th largest. With
+    top-k (k <= `groups`) that holds everything top-p needs after it (its mass is normalised over what top-k
+    keeps); without, top-p's cut lies in the head when the head's mass over the whole row reaches top_p, as it
+    does for a peaked distribution. A row fits when its counts fit and its cut lies in the head, or when it cuts
+    nothing."""
+    v = z.shape[-1]
+    lead = z.shape[:-1]
+    n_groups = -(-v // group)
+    groups = min(groups, n_groups)
+    k_on, p_on = (top_k > 0) & (top_k < v), top_p < 1
+    blocks = jnp.pad(z, [(0, 0)] * len(lead) + [(0, n_groups * group - v)], constant_values=-jnp.inf)
+    blocks = blocks.reshape(lead + (n_groups, group))
+    group_max = jnp.max(blocks, axis=-1)
+    top_max, top_groups = jax.lax.top_k(group_max, groups)
+    nth = jnp.broadcast_to(jnp.where(k_on, jnp.clip(top_k, 1, groups), groups) - 1, lead + (1,))
+    bound = jnp.take_along_axis(top_max, nth, axis=-1)
+    gathered = jnp.take_along_axis(blocks, top_groups[..., None], axis=-2).reshape(lead + (groups * group,))
+    above = gathered >= bound
+    slot = jnp.where(above, jnp.cumsum(above, axis=-1, dtype=jnp.int32) - 1, width)
+    rows = math.prod(lead)
+    compact = jnp.full((rows, width + 1), -jnp.inf, z.dtype).at[
+        jnp.arange(rows)[:, None], jnp.minimum(slot, width).reshape(rows, -1)].set(gathered.reshape(rows, -1))
+    s = jnp.sort(compact[:, :width].reshape(lead + (width,)), axis=-1, descending=True)
+    top = top_max[..., :1]
+    total = jnp.sum(jnp.exp(z - top), axis=-1, keepdims=True)
+    head_mass = jnp.sum(jnp.exp(s - top), axis=-1, keepdims=True) / total
+    counted = ((jnp.sum(group_max >= bound, axis=-1, keepdims=True) <= groups)
+               & (jnp.sum(above, axis=-1, keepdims=True) <= width))
+    fits = (counted & ((k_on & (top_k <= groups)) | (~k_on & (head_mass >= top_p)))) | (~k_on & ~p_on)
+    return fits, z >= _sorted_cut(s, top_k, top_p, v, total)
+
+
+def _group_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Support of top-k then top-p: `_group_cuts` where every row fits, else the threshold search (the same
+    support either way, up to the rounding of top-p's mass: each sums it in its own order)."""
+    fits, keep = _group_cuts(z, top_k, top_p)
+    return jax.lax.cond(jnp.all(fits), lambda: keep, lambda: _threshold_search()(z, top_k, top_p))
 
 
 FILTER_WAYS = 8
@@ -405,7 +471,7 @@ def _top_k_top_p_keep():
     itself, not a wrapper reading FILTER_IMPL: cond caches a branch's trace by function, so a wrapper kept the
     first impl it traced for every later FILTER_IMPL (and comparisons of impls compared the sort with itself). The
     threshold search comes bound to the sums `THRESHOLD_SUMS` names, a new function each time for the same reason."""
-    keeps = {"sort": _sorted_keep, "candidates": _candidate_keep, "threshold": _threshold_keep}
+    keeps = {"sort": _sorted_keep, "candidates": _candidate_keep, "threshold": _threshold_keep, "groups": _group_keep}
     if FILTER_IMPL not in keeps:
         raise ValueError(f"FILTER_IMPL={FILTER_IMPL!r} is not a known impl; valid choices: {FILTER_IMPLS}.")
     if FILTER_IMPL == "threshold":
@@ -434,7 +500,9 @@ def filtered_logprobs(logits: jax.Array, rp: RowParams) -> jax.Array:
     top_k, top_p = _per_row(rp.top_k, x), _per_row(rp.top_p, x)
     greedy = t == 0
     z = x / jnp.where(greedy, 1.0, t)
-    needs_sort = jnp.any(~greedy & (((top_k > 0) & (top_k < v)) | (top_p < 1)))
+    # a greedy row's support is its argmax whatever it cuts: it cuts nothing, so a search need not serve its cut
+    top_k, top_p = jnp.where(greedy, 0, top_k), jnp.where(greedy, 1.0, top_p)
+    needs_sort = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1))
     keep = jax.lax.cond(needs_sort, _top_k_top_p_keep(), _keep_all, z, top_k, top_p)
     z = jnp.where(keep, z, -jnp.inf)
     relative = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))

@@ -315,6 +315,47 @@ def test_common_settings_over_a_real_vocabulary_need_no_sort_and_a_flat_top_p_fa
         np.testing.assert_array_equal(np.asarray(S._candidate_keep(z, k, p)), np.asarray(S._sorted_keep(z, k, p)))
 
 
+def test_the_group_search_gives_the_sorted_support_exactly_and_knows_when_it_cannot():
+    """Small groups make both outcomes common: where a row fits, the cut from its sorted candidates is the full
+    sort's; the filter's support (groups, or the threshold search where any row does not fit) is the sort's."""
+    rng = np.random.default_rng(4)
+    outcomes = set()
+    cuts = jax.jit(S._group_cuts, static_argnums=(3, 4, 5))
+    for trial in range(48):
+        v, (group, groups, width) = (37, 250)[trial % 2], ((4, 2, 4), (4, 8, 16), (8, 6, 32))[trial % 3]
+        z = rng.normal(size=(4, v)) * rng.choice([0.1, 1.0, 5.0])
+        z = jnp.asarray(np.round(z) if trial % 4 < 2 else z, jnp.float32)  # half the batches full of ties
+        top_k = jnp.asarray(rng.choice([0, 1, 2, 3, 5, 7, 400], size=(4, 1)), jnp.int32)
+        top_p = jnp.asarray(rng.choice([1.0, 0.1, 0.3, 0.9, 0.99], size=(4, 1)), jnp.float32)
+        want = np.asarray(jax.jit(S._sorted_keep)(z, top_k, top_p))
+        fits, keep = (np.asarray(a) for a in cuts(z, top_k, top_p, group, groups, width))
+        k_on = (np.asarray(top_k)[:, 0] > 0) & (np.asarray(top_k)[:, 0] < v)
+        outcomes |= set(zip(fits[:, 0].tolist(), np.where(k_on, "top-k", "top-p alone or none").tolist()))
+        np.testing.assert_array_equal(keep[fits[:, 0]], want[fits[:, 0]], err_msg=f"trial {trial}: a fitting row's "
+                                      "cut differs from the sorted rule")
+        np.testing.assert_array_equal(np.asarray(jax.jit(S._group_keep)(z, top_k, top_p)), want)
+    assert outcomes == {(fit, kind) for fit in (True, False) for kind in ("top-k", "top-p alone or none")}, \
+        "the cases must exercise both the groups and the fallback, with top-k and without"
+
+
+def test_common_settings_over_a_real_vocabulary_fit_the_groups_and_a_flat_top_p_does_not():
+    """Top-k up to `TOP_GROUPS` fits; top-p alone fits where the distribution is peaked enough for its cut to lie
+    in the head (logits of scale 6), not over flatter logits (scale 3, where it keeps 13,201 tokens)."""
+    v = 151936
+    rng = np.random.default_rng(1)
+    cases = ((3, 50, 0.9, True), (3, 20, 0.95, True), (3, S.TOP_GROUPS, 1.0, True), (3, 0, 1.0, True),
+             (3, S.TOP_GROUPS + 1, 0.9, False), (3, 0, 0.9, False), (6, 0, 0.9, True), (6, 0, 0.5, True))
+    for scale, top_k, top_p, fit in cases:
+        z = jnp.asarray(rng.normal(size=(2, v)) * scale, jnp.float32)
+        k, p = jnp.full((2, 1), top_k, jnp.int32), jnp.full((2, 1), top_p, jnp.float32)
+        fits, keep = S._group_cuts(z, k, p)
+        assert bool(jnp.all(fits)) is fit, f"scale {scale}, top_k {top_k}, top_p {top_p}: fits = {fits}"
+        want = np.asarray(S._sorted_keep(z, k, p))
+        if fit:
+            np.testing.assert_array_equal(np.asarray(keep), want)
+        np.testing.assert_array_equal(np.asarray(S._group_keep(z, k, p)), want)
+
+
 def test_the_filter_gives_the_same_distribution_with_either_impl(monkeypatch):
     rng = np.random.default_rng(2)
     logits = jnp.asarray(rng.normal(size=(4, 3, 300)) * 2, jnp.float32)
@@ -327,7 +368,8 @@ def test_the_filter_gives_the_same_distribution_with_either_impl(monkeypatch):
 
 
 @pytest.mark.parametrize("impl, present, absent", [("sort", "sort", "top_k"), ("candidates", "top_k", ""),
-                                                   ("threshold", "bitcast_convert_type", "sort")])
+                                                   ("threshold", "bitcast_convert_type", "sort"),
+                                                   ("groups", "top_k", "")])
 def test_filter_impl_picks_the_search_that_is_traced(monkeypatch, impl, present, absent):
     """Each impl traces its own search (lax.cond caches a branch by function, which once made every impl the first
     one traced), and the threshold search (its order keys are bitcasts) uses neither a sort nor a top-k, nor a loop."""
