@@ -165,10 +165,11 @@ def _sampled_held_back(batch: int, sampling: str):
                "extra_per_round_s": extra}
         alone = next((c for c in (d.get("sampling_filter") or {}).get("cells", [])
                       if c["batch"] == batch and c["setting"] == "k50_p0.9"), None)
-        if alone:
+        impl = d["call_cost"].get("default_filter", "threshold")  # the filter the rounds above ran
+        if alone and f"{impl}_us" in alone:
             out["what"] += (f"; the filter over a verify's {alone['rows']} rows alone took "
-                            f"{alone['threshold_us'] / 1e3:.2f} ms (sampling_filter.json)")
-            out["filter_alone_s"] = alone["threshold_us"] * 1e-6
+                            f"{alone[f'{impl}_us'] / 1e3:.2f} ms (sampling_filter.json)")
+            out["filter_alone_s"] = alone[f"{impl}_us"] * 1e-6
         return out
     return held
 

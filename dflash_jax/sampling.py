@@ -206,14 +206,18 @@ def _per_row(param: jax.Array, like: jax.Array) -> jax.Array:
 
 
 FILTER_IMPLS = ("sort", "candidates", "threshold", "groups")
-FILTER_IMPL = "threshold"
+FILTER_IMPL = "groups"
 """How top-k/top-p find their cut: one sort of the vocabulary (`_sorted_keep`, the rule), the candidate search
-(`_candidate_keep`, which falls back to the sort), or a search over the logits' order keys (`_threshold_keep`:
-no sort or top-k; each pass's sums by `THRESHOLD_SUMS`). The threshold search is the default: on the H200
-(`bench/sampling_filter.py`, bench/results/sampling_filter.json, 2026-12-04; T 0.7, top-k 50, top-p 0.9) the whole
-filter took 0.54 ms with it and the key_sums kernel at 16 rows (sort 1.01, the search with XLA's sums 0.79) and
-2.06 ms at 128 rows (sort 2.12, XLA's sums 3.03). Where supports differed, only at a token whose mass-above lay
-within 1e-7 of top_p: summation order, not a different rule."""
+(`_candidate_keep`, which falls back to the sort), a search over the logits' order keys (`_threshold_keep`: no
+sort or top-k; each pass's sums by `THRESHOLD_SUMS`), or the group search (`_group_keep`: a sort of about 256
+candidates from the groups whose maximum reaches the k-th largest group maximum; the threshold search where a row
+does not fit). The group search is the default: on an H100 (bench/results/filter_groups_h100/, 2026-12-06; T 0.7,
+top-k 50, top-p 0.9) a sampled `Session.burst` round over a greedy one was 1.011 with it against 1.037 with the
+threshold search at batch 1 and 1.038 against 1.181 at batch 8 (`proposal="sample"`: 1.027 against 1.074, 1.111
+against 1.368); the filter alone took 0.27 against 0.50 ms at 16 rows and 0.72 against 1.98 at 128 (the sort 1.05
+and 2.25). Where no row fits (top-p alone over a flat distribution) it costs its cuts on top of the threshold
+search's: 0.65 against 0.58 ms at 16 rows. Where supports differed, only at a token whose mass-above lay within
+1e-7 of top_p: summation order, not a different rule."""
 FILTER_GROUP = 1024
 """Vocabulary positions per group of the candidate search (`_candidate_cuts`)."""
 FILTER_PER_GROUP = 16

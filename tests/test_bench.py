@@ -152,12 +152,16 @@ def test_call_cost_fits_a_line_through_the_bursts_and_refuses_one_size():
 def test_call_cost_measures_each_sampling_against_greedy(tmp_path):
     import call_cost
 
-    payload = call_cost.main(["--tiny", "--samplings", "sampled", "--filters", "sort", "threshold", "--bursts", "4",
+    from dflash_jax import sampling as smp
+
+    default = smp.FILTER_IMPL
+    other = next(impl for impl in smp.FILTER_IMPLS if impl != default)
+    payload = call_cost.main(["--tiny", "--samplings", "sampled", "--filters", other, default, "--bursts", "4",
                               "--out", str(tmp_path)])
     assert (tmp_path / "call_cost_tiny.json").is_file()
     cells = {(c["batch"], c["sampling"], c["filter"]): c for c in payload["cells"]}
-    default = payload["default_filter"]
-    assert set(cells) == {(1, "greedy", default), (1, "sampled", "sort"), (1, "sampled", "threshold")}, (
+    assert payload["default_filter"] == default
+    assert set(cells) == {(1, "greedy", default), (1, "sampled", other), (1, "sampled", default)}, (
         "greedy always runs, once: it is each ratio's baseline")
     assert cells[(1, "greedy", default)]["round_over_greedy"] == 1.0
     assert all(c["round_over_greedy"] > 0 for c in payload["cells"])
@@ -324,11 +328,14 @@ def test_sampling_filter_bench_times_every_impl_with_identical_supports(tmp_path
     for c in payload["cells"]:
         assert c["same_support"], f"{c['setting']}: the candidate search and the sort keep different tokens"
         assert c["candidates_us"] > 0 and c["sort_us"] > 0
-        for impl in ("threshold", "threshold_xla"):
+        for impl in ("threshold", "threshold_xla", "groups"):
             assert c[f"same_support_{impl}"], f"{c['setting']}: {impl} and the sort keep different tokens"
             assert c[f"{impl}_us"] > 0
-            for ways in sampling_filter.THRESHOLD_WAYS if c["setting"] == sampling_filter.PARTS_SETTING else ():
+        for ways in sampling_filter.THRESHOLD_WAYS if c["setting"] == sampling_filter.PARTS_SETTING else ():
+            for impl in ("threshold", "threshold_xla"):
                 assert c[f"part_{impl}_{ways}w_us"] > 0, f"{impl} at {ways} ways was not timed"
+        for group, groups, _ in sampling_filter.GROUP_SETTINGS if c["setting"] == sampling_filter.PARTS_SETTING else ():
+            assert c[f"part_groups_{group}x{groups}_us"] > 0, f"the group search at {group} x {groups} was not timed"
 
 
 def test_gemv_sweep_times_every_form_against_the_reference(tmp_path):
