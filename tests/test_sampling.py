@@ -334,6 +334,9 @@ def test_the_group_search_gives_the_sorted_support_exactly_and_knows_when_it_can
         np.testing.assert_array_equal(keep[fits[:, 0]], want[fits[:, 0]], err_msg=f"trial {trial}: a fitting row's "
                                       "cut differs from the sorted rule")
         np.testing.assert_array_equal(np.asarray(jax.jit(S._group_keep)(z, top_k, top_p)), want)
+        blocks = cuts(z.reshape(2, 2, v), top_k.reshape(2, 2, 1), top_p.reshape(2, 2, 1), group, groups, width)
+        np.testing.assert_array_equal(np.asarray(blocks[1]).reshape(4, v), keep, err_msg="rows of a verify block "
+                                      "[B, S, V] are cut as the same rows [B * S, V]")
     assert outcomes == {(fit, kind) for fit in (True, False) for kind in ("top-k", "top-p alone or none")}, \
         "the cases must exercise both the groups and the fallback, with top-k and without"
 
