@@ -237,7 +237,8 @@ def _sorted_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return z >= _sorted_cut(jnp.sort(z, axis=-1, descending=True), top_k, top_p, z.shape[-1])
 
 
-def _sorted_cut(s: jax.Array, top_k: jax.Array, top_p: jax.Array, v: int, total=None) -> jax.Array:
+def _sorted_cut(s: jax.Array, top_k: jax.Array, top_p: jax.Array, v: int,
+                total: jax.Array | None = None) -> jax.Array:
     """`[..., 1]`: the value `_sorted_keep` cuts a row of `v` tokens at, from `s`, descending values of the row
     (-inf padded) that hold at least every token at or above top-k's cut when top-k is on, else the whole row, or
     its head when `total` gives the whole row's sum of `exp(z - max)` (top-p's mass is normalised over it)."""
