@@ -208,16 +208,16 @@ def _per_row(param: jax.Array, like: jax.Array) -> jax.Array:
 FILTER_IMPLS = ("sort", "candidates", "threshold", "groups")
 FILTER_IMPL = "groups"
 """How top-k/top-p find their cut: one sort of the vocabulary (`_sorted_keep`, the rule), the candidate search
-(`_candidate_keep`, which falls back to the sort), a search over the logits' order keys (`_threshold_keep`: no
-sort or top-k; each pass's sums by `THRESHOLD_SUMS`), or the group search (`_group_keep`: a sort of about 256
-candidates from the groups whose maximum reaches the k-th largest group maximum; the threshold search where a row
-does not fit). The group search is the default: on an H100 (bench/results/filter_groups_h100/, 2026-12-06; T 0.7,
-top-k 50, top-p 0.9) a sampled `Session.burst` round over a greedy one was 1.011 with it against 1.037 with the
-threshold search at batch 1 and 1.038 against 1.181 at batch 8 (`proposal="sample"`: 1.027 against 1.074, 1.111
-against 1.368); the filter alone took 0.27 against 0.50 ms at 16 rows and 0.72 against 1.98 at 128 (the sort 1.05
-and 2.25). Where no row fits (top-p alone over a flat distribution) it costs its cuts on top of the threshold
-search's: 0.65 against 0.58 ms at 16 rows. Where supports differed, only at a token whose mass-above lay within
-1e-7 of top_p: summation order, not a different rule."""
+(`_candidate_keep`, which falls back to the sort), a search over the logits' order keys (`_threshold_keep`: no sort
+or top-k; each pass's sums by `THRESHOLD_SUMS`), or the group search (`_group_keep`: a sort of about 256 candidates
+from the groups whose maximum reaches the k-th largest group maximum; the threshold search where a row does not fit).
+The group search is the default in programs compiled for a GPU (elsewhere the sort): on an H100
+(bench/results/filter_groups_h100/, 2026-12-06; T 0.7, top-k 50, top-p 0.9) a sampled `Session.burst` round over a
+greedy one was 1.011 with it against 1.037 with the threshold search at batch 1 and 1.038 against 1.181 at batch 8
+(`proposal="sample"`: 1.027 against 1.074, 1.111 against 1.368); the filter alone took 0.27 against 0.50 ms at 16
+rows and 0.72 against 1.98 at 128 (the sort 1.05 and 2.25). Where no row fits (top-p alone over a flat distribution)
+it costs its cuts on top of the threshold search's: 0.65 against 0.58 ms at 16 rows. Where supports differed, only at
+a token whose mass-above lay within 1e-7 of top_p: summation order, not a different rule."""
 FILTER_GROUP = 1024
 """Vocabulary positions per group of the candidate search (`_candidate_cuts`)."""
 FILTER_PER_GROUP = 16
@@ -363,11 +363,11 @@ def _group_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
 
 
 def _group_keep_where_compiled(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """`_group_keep` in a program compiled for CUDA or ROCm, the threshold search elsewhere: a CPU program would
-    compile the group cuts beside their fallback (a sampled end-to-end test took 81 s against 32.7), for
-    vocabularies too small for the cuts to fit. Its tests call `_group_keep` itself."""
-    search = _threshold_search()
-    return jax.lax.platform_dependent(z, top_k, top_p, cuda=_group_keep, rocm=_group_keep, default=search)
+    """`_group_keep` in a program compiled for CUDA or ROCm, the sort elsewhere. The searches exist to spare a GPU
+    the sort's launches; off a GPU they only cost compile time: at a sampled test's 16 tokens one filter compiled
+    in 0.4 s with the sort, 1.7 with the threshold search and 2.1 with the group search (2-core CPU), and a
+    speculative loop holds several. Its tests call `_group_keep` itself."""
+    return jax.lax.platform_dependent(z, top_k, top_p, cuda=_group_keep, rocm=_group_keep, default=_sorted_keep)
 
 
 FILTER_WAYS = 8
@@ -480,9 +480,9 @@ def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int 
 
 
 def _top_k_top_p_keep():
-    """The function behind top-k then top-p that `FILTER_IMPL` names (the group search only where compiled for a
-    GPU). `filtered_logprobs` hands it to `lax.cond` itself, not a wrapper reading FILTER_IMPL: cond caches a
-    branch's trace by function, so a wrapper kept the first impl it traced for every later FILTER_IMPL (and
+    """The function behind top-k then top-p that `FILTER_IMPL` names (the group search only where compiled for a GPU,
+    the sort elsewhere). `filtered_logprobs` hands it to `lax.cond` itself, not a wrapper reading FILTER_IMPL: cond
+    caches a branch's trace by function, so a wrapper kept the first impl it traced for every later FILTER_IMPL (and
     comparisons of impls compared the sort with itself). The threshold search comes bound to the sums
     `THRESHOLD_SUMS` names, a new function each time for the same reason."""
     keeps = {"sort": _sorted_keep, "candidates": _candidate_keep, "threshold": _threshold_keep,
