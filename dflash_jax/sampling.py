@@ -211,13 +211,14 @@ FILTER_IMPL = "groups"
 (`_candidate_keep`, which falls back to the sort), a search over the logits' order keys (`_threshold_keep`: no sort
 or top-k; each pass's sums by `THRESHOLD_SUMS`), or the group search (`_group_keep`: a sort of about 256 candidates
 from the groups whose maximum reaches the k-th largest group maximum; the threshold search where a row does not fit).
-The group search is the default in programs compiled for a GPU (elsewhere the sort): on an H100
+The group search is the default (the sort for a row of at most `TOP_CANDIDATES` tokens): on an H100
 (bench/results/filter_groups_h100/, 2026-12-06; T 0.7, top-k 50, top-p 0.9) a sampled `Session.burst` round over a
 greedy one was 1.011 with it against 1.037 with the threshold search at batch 1 and 1.038 against 1.181 at batch 8
 (`proposal="sample"`: 1.027 against 1.074, 1.111 against 1.368); the filter alone took 0.27 against 0.50 ms at 16
 rows and 0.72 against 1.98 at 128 (the sort 1.05 and 2.25). Where no row fits (top-p alone over a flat distribution)
 it costs its cuts on top of the threshold search's: 0.65 against 0.58 ms at 16 rows. Where supports differed, only at
-a token whose mass-above lay within 1e-7 of top_p: summation order, not a different rule."""
+a token whose mass-above lay within 1e-7 of top_p: summation order, not a different rule. On a 2-core CPU (16 rows of
+151,936 tokens) it took 15 ms, the threshold search 258 and the sort 759."""
 FILTER_GROUP = 1024
 """Vocabulary positions per group of the candidate search (`_candidate_cuts`)."""
 FILTER_PER_GROUP = 16
@@ -362,12 +363,14 @@ def _group_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.all(fits), lambda: keep, lambda: _threshold_search()(z, top_k, top_p))
 
 
-def _group_keep_where_compiled(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """`_group_keep` in a program compiled for CUDA or ROCm, the sort elsewhere. The searches exist to spare a GPU
-    the sort's launches; off a GPU they only cost compile time: at a sampled test's 16 tokens one filter compiled
-    in 0.4 s with the sort, 1.7 with the threshold search and 2.1 with the group search (2-core CPU), and a
-    speculative loop holds several. Its tests call `_group_keep` itself."""
-    return jax.lax.platform_dependent(z, top_k, top_p, cuda=_group_keep, rocm=_group_keep, default=_sorted_keep)
+def _group_keep_or_sort(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`_group_keep`, or the sort for a row no longer than its `TOP_CANDIDATES`, which the group search would sort
+    anyway and could not cut with most settings (its groups are too few for top-k). So a small vocabulary compiles
+    only the sort: at a sampled test's 16 tokens one filter compiled in 0.4 s with it against 2.1 with the group
+    search (2-core CPU), and a speculative loop holds several. Its tests call `_group_keep` itself."""
+    if z.shape[-1] <= TOP_CANDIDATES:
+        return _sorted_keep(z, top_k, top_p)
+    return _group_keep(z, top_k, top_p)
 
 
 FILTER_WAYS = 8
@@ -480,19 +483,19 @@ def _threshold_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, ways: int 
 
 
 def _top_k_top_p_keep():
-    """The function behind top-k then top-p that `FILTER_IMPL` names (the group search only where compiled for a GPU,
-    the sort elsewhere). `filtered_logprobs` hands it to `lax.cond` itself, not a wrapper reading FILTER_IMPL: cond
-    caches a branch's trace by function, so a wrapper kept the first impl it traced for every later FILTER_IMPL (and
-    comparisons of impls compared the sort with itself). The threshold search comes bound to the sums
+    """The function behind top-k then top-p that `FILTER_IMPL` names (with "groups", the sort for a row of at most
+    `TOP_CANDIDATES` tokens). `filtered_logprobs` hands it to `lax.cond` itself, not a wrapper reading FILTER_IMPL:
+    cond caches a branch's trace by function, so a wrapper kept the first impl it traced for every later FILTER_IMPL
+    (and comparisons of impls compared the sort with itself). The threshold search comes bound to the sums
     `THRESHOLD_SUMS` names, a new function each time for the same reason."""
     keeps = {"sort": _sorted_keep, "candidates": _candidate_keep, "threshold": _threshold_keep,
-             "groups": _group_keep_where_compiled}
+             "groups": _group_keep_or_sort}
     if FILTER_IMPL not in keeps:
         raise ValueError(f"FILTER_IMPL={FILTER_IMPL!r} is not a known impl; valid choices: {FILTER_IMPLS}.")
     if FILTER_IMPL == "threshold":
         return _threshold_search()
     if FILTER_IMPL == "groups":  # its fallback is the threshold search: a new function for the same reason
-        return functools.partial(_group_keep_where_compiled)
+        return functools.partial(_group_keep_or_sort)
     return keeps[FILTER_IMPL]
 
 

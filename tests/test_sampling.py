@@ -389,23 +389,25 @@ def test_filter_impl_picks_the_search_that_is_traced(monkeypatch, impl, present,
         jax.make_jaxpr(lambda x, rp: filtered_logprobs(x, rp))(jnp.zeros((2, 300)), rp)
 
 
-def test_the_group_search_is_lowered_for_a_gpu_and_the_sort_for_a_cpu(monkeypatch):
-    """FILTER_IMPL "groups" lowers its cuts (a top-k of the group maxima) with the threshold search as fallback
-    (bitcast order keys) for CUDA, and for a CPU only the sort of the whole vocabulary, which compiles fastest."""
+def test_the_group_search_is_lowered_for_a_real_vocabulary_and_the_sort_for_a_small_one(monkeypatch):
+    """FILTER_IMPL "groups" lowers its cuts (a top-k of the group maxima) and their fallback, the threshold search
+    (bitcast order keys), on every platform; a row of at most TOP_CANDIDATES tokens only the sort, which compiles
+    fastest and which the group search would do whole anyway."""
     monkeypatch.setattr(S, "FILTER_IMPL", "groups")
     monkeypatch.setattr(S, "THRESHOLD_SUMS", "xla")
     rp = row_params(Sampling(temperature=0.7, top_k=50, top_p=0.9), 2)
-    logits = jax.ShapeDtypeStruct((2, 4, 4096), jnp.float32)
 
-    def lowered(platform):
+    def lowered(platform, v):
         fn = jax.jit(lambda x, r: filtered_logprobs(x, r))
-        return fn.trace(logits, rp).lower(lowering_platforms=(platform,)).as_text()
+        return fn.trace(jax.ShapeDtypeStruct((2, 4, v), jnp.float32), rp).lower(
+            lowering_platforms=(platform,)).as_text()
 
-    cuda, cpu = lowered("cuda"), lowered("cpu")
-    assert "chlo.top_k" in cuda and "bitcast_convert" in cuda, "CUDA: the group cuts and their fallback"
-    assert "chlo.top_k" not in cpu and "bitcast_convert" not in cpu, "a CPU program holds neither search"
-    assert "stablehlo.sort" in cpu and "tensor<2x4x4096xf32>" in cpu.split("stablehlo.sort", 1)[1][:2000], (
-        "a CPU program sorts each row of the vocabulary")
+    for platform in ("cuda", "cpu"):
+        big, small = lowered(platform, 4096), lowered(platform, S.TOP_CANDIDATES)
+        assert "chlo.top_k" in big and "bitcast_convert" in big, f"{platform}: the group cuts and their fallback"
+        assert "chlo.top_k" not in small and "bitcast_convert" not in small, f"{platform}: neither search"
+        assert f"tensor<2x4x{S.TOP_CANDIDATES}xf32>" in small.split("stablehlo.sort", 1)[1][:2000], (
+            f"{platform}: a small vocabulary's rows are sorted whole")
 
 
 def _mass_above_distance(z, top_k, top_p):
