@@ -406,6 +406,7 @@ def test_the_group_search_is_lowered_for_a_real_vocabulary_and_the_sort_for_a_sm
         big, small = lowered(platform, 4096), lowered(platform, S.TOP_CANDIDATES)
         assert "chlo.top_k" in big and "bitcast_convert" in big, f"{platform}: the group cuts and their fallback"
         assert "chlo.top_k" not in small and "bitcast_convert" not in small, f"{platform}: neither search"
+        assert "stablehlo.sort" in small, f"{platform}: a small vocabulary takes the sort"
         assert f"tensor<2x4x{S.TOP_CANDIDATES}xf32>" in small.split("stablehlo.sort", 1)[1][:2000], (
             f"{platform}: a small vocabulary's rows are sorted whole")
 
