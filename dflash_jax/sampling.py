@@ -307,7 +307,8 @@ def _candidate_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
 
 
 TOP_GROUP = 128
-"""Vocabulary positions per group of the group search (`_group_cuts`)."""
+"""Vocabulary positions per group of the group search (`_group_cuts`); fewer in a vocabulary of fewer than
+`TOP_GROUPS` such groups."""
 TOP_GROUPS = 64
 """Groups the group search gathers: the largest top-k it serves (larger ones take the threshold search), and the
 head it keeps for top-p alone."""
@@ -328,9 +329,11 @@ def _group_cuts(z: jax.Array, top_k: jax.Array, top_p: jax.Array, group: int = T
     top-k (k <= `groups`) that holds everything top-p needs after it (its mass is normalised over what top-k
     keeps); without, top-p's cut lies in the head when the head's mass over the whole row reaches top_p, as it
     does for a peaked distribution. A row fits when its counts fit and its cut lies in the head, or when it cuts
-    nothing."""
+    nothing. A vocabulary of fewer than `groups` groups takes smaller ones, so that top-k up to `groups` still
+    fits: the demo's 4,096 tokens make 64 groups of 64, not 32 of 128."""
     v = z.shape[-1]
     lead = z.shape[:-1]
+    group = min(group, -(-v // groups))
     n_groups = -(-v // group)
     groups = min(groups, n_groups)
     k_on, p_on = (top_k > 0) & (top_k < v), top_p < 1
@@ -365,8 +368,7 @@ def _group_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
 
 def _group_keep_or_sort(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """`_group_keep`, or the sort for a row no longer than its `TOP_CANDIDATES`, which the group search would sort
-    anyway and could not cut with most settings (its groups are too few for top-k). So a small vocabulary compiles
-    only the sort: at a sampled test's 16 tokens one filter compiled in 0.4 s with it against 2.1 with the group
+    whole anyway after its cuts. So a small vocabulary compiles only the sort: at a sampled test's 16 tokens one filter compiled in 0.4 s with it against 2.1 with the group
     search (2-core CPU), and a speculative loop holds several. Its tests call `_group_keep` itself."""
     if z.shape[-1] <= TOP_CANDIDATES:
         return _sorted_keep(z, top_k, top_p)

@@ -359,6 +359,19 @@ def test_common_settings_over_a_real_vocabulary_fit_the_groups_and_a_flat_top_p_
         np.testing.assert_array_equal(np.asarray(S._group_keep(z, k, p)), want)
 
 
+def test_a_vocabulary_of_few_groups_takes_smaller_ones_and_still_fits_top_k():
+    """The demo's 4,096 tokens are 32 groups of `TOP_GROUP`, fewer than top-k 50 needs: its groups shrink so that
+    top-k up to `TOP_GROUPS` fits, instead of always paying for the cuts and then the threshold search."""
+    v = 4096
+    assert -(-v // S.TOP_GROUP) < 50 <= S.TOP_GROUPS, "the case must have too few groups of the default size"
+    z = jnp.asarray(np.random.default_rng(5).normal(size=(3, v)) * 3, jnp.float32)
+    for top_k, top_p in ((50, 0.9), (20, 1.0), (1, 0.5)):
+        k, p = jnp.full((3, 1), top_k, jnp.int32), jnp.full((3, 1), top_p, jnp.float32)
+        fits, keep = S._group_cuts(z, k, p)
+        assert bool(jnp.all(fits)), f"top_k {top_k}, top_p {top_p}: fits = {fits}"
+        np.testing.assert_array_equal(np.asarray(keep), np.asarray(S._sorted_keep(z, k, p)))
+
+
 def test_the_filter_gives_the_same_distribution_with_either_impl(monkeypatch):
     rng = np.random.default_rng(2)
     logits = jnp.asarray(rng.normal(size=(4, 3, 300)) * 2, jnp.float32)
