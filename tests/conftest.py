@@ -3,11 +3,13 @@ import os
 import shutil
 import tempfile
 
-# The suite is compile-bound on tiny shapes, where LLVM's optimisation buys nothing: at optimisation level 0 CI ran
-# the suite in 1,115 s against 1,782 s (2026-12-04). It allows no fast math, but it lowers some CPU products to other
-# kernels that sum in another order (a one-row product differs from a two-row one in the last bit), so the tests
-# compare like with like or within float32 rounding. Set before JAX starts; the commands the tests run inherit it.
-os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0")).strip()
+# The suite is compile-bound on tiny shapes, where LLVM's optimisation buys nothing: with XLA's CPU backend at
+# optimisation level 0 CI ran the suite in 1,115 s against 1,782 s (2026-12-04). JAX's switch for that (level 0 and
+# no expensive LLVM passes) is read at each compile, so the modules whose programs run long take full optimisation
+# back (`optimised_compiles`). It allows no fast math, but it lowers some CPU products to other kernels that sum in
+# another order (a one-row product differs from a two-row one in the last bit), so the tests compare like with like
+# or within float32 rounding. Set before JAX starts; the commands the tests run inherit it.
+os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -37,6 +39,18 @@ def pytest_configure(config):
                           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     compilation.enable_persistent_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+@pytest.fixture(scope="module")
+def optimised_compiles():
+    """XLA's own CPU optimisation for a module whose programs run long rather than compile long (2-core CPU,
+    2026-12-07): `test_long_run.py` alone took 93 s at level 0 and 25 s without the switch; `test_sampling_e2e.py`
+    (batches of 16,384 rows, 2 workers) 283 s at level 0 and 217 s at level 3. Level 1 for the whole suite made it
+    slower (2,189 s against 1,705). Programs this worker compiled before are reused as they are."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def pytest_unconfigure(config):

@@ -15,12 +15,15 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 
 import dflash_jax
 from dflash_jax.config import RopeConfig, TargetConfig
 from dflash_jax.decoding import plain as plain_loop
 from dflash_jax.io.checkpoints import make_target
 from conftest import inject_reference, random_params, target_param_shapes, tiny_drafter
+
+pytestmark = pytest.mark.usefixtures("optimised_compiles")  # its programs run long
 
 N_NEW = 16384
 PROMPT = list(range(3, 20))

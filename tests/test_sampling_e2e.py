@@ -55,6 +55,8 @@ from conftest import (
     tiny_target,
 )
 
+pytestmark = pytest.mark.usefixtures("optimised_compiles")  # its programs run long
+
 V = 16
 H = 32
 PROMPT = [3, 1, 4, 1, 5]
