@@ -8,8 +8,9 @@ jax_version, date, the source file of each number, and the run checks (compiles 
 cells, whether injected proposals let XLA drop the drafter, plain decoding over the stricter read-only roofline);
 prints target vs measured. A missing source leaves its value null. Each missed target gets `held_back_by`: what holds
 it back, in a sentence and its numbers, from the files of `EVIDENCE` beside the sources (`HELD_BACK`: a step's and a
-round's kernels from profile_round.json, a call's fixed cost from call_dispatch.json, the sampling filter alone from
-sampling_filter.json where it is there); null when a file it needs is missing.
+round's kernels from profile_round.json, the static peer against the roofline from plain_decode.json, a call's fixed
+cost from call_dispatch.json, the sampling filter alone from sampling_filter.json where it is there); null when a file
+it needs is missing.
 
     python bench/summary.py                     # reads and writes bench/results
     python bench/summary.py --out DIR --strict  # exit status 1 if any run compiled after its warm-up
@@ -139,6 +140,18 @@ def _speedup_held_back(d: dict) -> dict:
             "round_over_plain_step": ratio, "ceiling": head["ceiling"], "round_needed": need}
 
 
+def _peer_held_back(d: dict) -> dict:
+    """Both sides of the ratio against the roofline: how close to it ours would have to run."""
+    p = d["plain_decode"]
+    peer = next((r for r in p["peers"] if r["cache_implementation"] == "static"), None)["tokens_per_s"]
+    roof = p["roofline_tokens_per_s"]
+    goal = next(t[4] for t in TARGETS if t[0] == "speedup_over_static_peer")
+    return {"what": f"the peer: it decodes at {peer:.1f} tokens/s, {peer / roof:.2f} of the roofline "
+                    f"({roof:.1f} tokens/s); {goal}x of it needs {goal * peer / roof:.2f} of the roofline, "
+                    f"where ours runs at {p['roofline_ratio']:.2f}",
+            "peer_roofline_ratio": peer / roof, "roofline_ratio_needed": goal * peer / roof}
+
+
 def _fixed_cost_held_back(d: dict) -> dict:
     """What a call of the loop pays beyond its rounds (call_dispatch.json)."""
     rows, leaves = d["call_dispatch"]["rows"], d["call_dispatch"]["leaves"]
@@ -187,6 +200,7 @@ HELD_BACK = {
     "plain_roofline_ratio": (("profile_round", "plain_decode"), _plain_held_back),
     "round_over_plain_step": (("profile_round",), _round_held_back),
     "speedup_at_tau_6_5": (("acceptance", "spec_round"), _speedup_held_back),
+    "speedup_over_static_peer": (("plain_decode",), _peer_held_back),
     "fixed_cost_per_call_s": (("call_dispatch",), _fixed_cost_held_back),
     "sampled_round_over_greedy_b1": (("call_cost",), _sampled_held_back(1, "sampled")),
     "sampled_round_over_greedy_b8": (("call_cost",), _sampled_held_back(8, "sampled")),

@@ -56,6 +56,21 @@ def test_run_all_tiny_writes_every_figure_and_the_summary(tiny_results):
         assert held and held["what"] and held["from"], f"{key} is missed and the summary does not say what holds it"
 
 
+def test_a_missed_static_peer_target_says_how_close_to_the_roofline_ours_would_have_to_run():
+    import summary
+
+    plain = {"peers": [{"cache_implementation": "dynamic", "tokens_per_s": 30.0},
+                       {"cache_implementation": "static", "tokens_per_s": 100.0}],
+             "roofline_tokens_per_s": 200.0, "roofline_ratio": 0.86}
+    held = summary.held_back("speedup_over_static_peer", {"plain_decode": plain})
+    assert held["peer_roofline_ratio"] == 0.5
+    assert held["roofline_ratio_needed"] == pytest.approx(0.925), "1.85x a peer at half the roofline"
+    assert "0.93 of the roofline" in held["what"] and "0.86" in held["what"], held["what"]
+    assert held["from"] == ["plain_decode.json"]
+    plain["peers"] = plain["peers"][:1]
+    assert summary.held_back("speedup_over_static_peer", {"plain_decode": plain}) is None, "no static peer, no claim"
+
+
 def test_program_flops_counts_what_the_compiled_program_keeps():
     """`drafter_dropped_with_inject` compares compiled programs' FLOPs: a product whose result is unused is gone."""
     import jax
