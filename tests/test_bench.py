@@ -415,3 +415,19 @@ def test_sharded_bench_tiny_runs_losslessly_on_two_virtual_devices(tmp_path):
         assert c["runs_recompiled"] == 0, f"tp={c['tp']}: the fused loop compiled after its warm-up"
         assert c["roofline_ratio"] > 0 and c["speedup_at_tau"] > 0
     assert payload["tp_speedup"] > 0 and payload["replicated_drafter_round_over_sharded"] > 0
+
+
+def test_stacked_leaves_times_three_layouts_of_one_model_that_agree(tmp_path):
+    import stacked_leaves
+
+    payload = stacked_leaves.main(["--tiny", "--reps", "1", "--calls", "3", "--out", str(tmp_path)])
+    assert (tmp_path / "stacked_leaves_tiny.json").is_file()
+    forms = payload["forms"]
+    assert set(forms) == {"per_layer", "stacked", "kv_stacked"}
+    assert payload["same_state"], {f: r["x_sum"] for f, r in forms.items()}
+    layers = stacked_leaves.TINY["layers"]
+    assert forms["per_layer"]["leaves"] == 8 * layers + 2 * layers + 1, "eight weights and K and V a layer, and x"
+    assert forms["stacked"]["leaves"] == 8 + 2 + 1
+    assert forms["kv_stacked"]["leaves"] == 8 * layers + 2 + 1
+    assert forms["per_layer"]["step_over_per_layer"] == 1.0
+    assert all(r["step_s"] > 0 and r["noop_call_s"] > 0 for r in forms.values())
