@@ -3,11 +3,12 @@
 A call's dispatch pays per argument leaf (`call_dispatch.py`: 291 target parameter leaves, 73 of the state's 105
 leaves the target's K/V). Stacking each per-layer tensor into one `[L, ...]` leaf, sliced statically in the unrolled
 layer loop, would leave a handful. This times a Qwen3-8B-shaped toy decode step (bf16, batch 1, XLA attention over
-a 1,024-token cache, `--steps` steps in one `fori_loop`) three ways:
+a 1,024-token cache, 64 steps in one `fori_loop`; `--tiny` shrinks all of it) three ways:
 - `per_layer`: a leaf per layer and tensor, as the package keeps them;
 - `stacked`: weights and K/V in `[L, ...]` leaves;
 - `kv_stacked`: weights per layer, K/V in two `[L, ...]` leaves written at `(layer, row, position)`;
-and for each a jitted no-op call over the same (donated K/V) leaves. All three must give the same tokens' state.
+and for each a jitted no-op call over the same (donated K/V) leaves. All three must end in the same hidden state
+(`same_state`).
 
     python bench/stacked_leaves.py           # GPU: stacked_leaves.json
     python bench/stacked_leaves.py --tiny    # CPU smoke test at small shapes: stacked_leaves_tiny.json
