@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every benchmark figure, then the plots and the summary of the targets.
+# Every benchmark figure, then the plots, the summary of the targets and (writing bench/results) README.md's
+# table of them.
 #
 #   bench/run_all.sh [OUT_DIR]            # H200; OUT_DIR defaults to bench/results
 #   bench/run_all.sh --tiny [OUT_DIR]     # CPU smoke test; OUT_DIR defaults to /tmp/dflash_bench_tiny
@@ -83,4 +84,9 @@ step sweep env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:
   --budget-s $(( budget > 30 ? budget : 30 )) --compile-threads "${BENCH_COMPILE_THREADS:-3}"
 step plots python bench/plots.py $tiny --out "$out"
 
-step summary python bench/summary.py $tiny --out "$out" --strict
+# the committed results also refresh README.md's table of the targets
+summary_args=()
+if [[ -z "$tiny" && "$(realpath -m "$out")" == "$(realpath -m bench/results)" ]]; then
+  summary_args=(--readme README.md)
+fi
+step summary python bench/summary.py $tiny --out "$out" --strict ${summary_args[@]+"${summary_args[@]}"}

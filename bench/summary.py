@@ -12,8 +12,12 @@ round's kernels from profile_round.json, the static peer against the roofline fr
 cost from call_dispatch.json, the sampling filter alone from sampling_filter.json where it is there); null when a file
 it needs is missing.
 
+With `--readme PATH` it also writes the targets as a Markdown table between two marker lines in PATH (`README_BEGIN`,
+`README_END`): `run_all.sh` does so in README.md when it writes bench/results.
+
     python bench/summary.py                     # reads and writes bench/results
     python bench/summary.py --out DIR --strict  # exit status 1 if any run compiled after its warm-up
+    python bench/summary.py --readme README.md  # and README's table
 """
 from __future__ import annotations
 
@@ -291,16 +295,60 @@ def print_table(s: dict) -> None:
         print(f"skipped {cell['file']} batch {cell['batch']} prompt {cell['prompt']}: {cell['reason']}")
 
 
+README_BEGIN = "<!-- bench/summary.py --readme writes the table from here -->"
+README_END = "<!-- bench/summary.py --readme writes the table to here -->"
+
+
+def _shown(key: str, v) -> str:
+    """A target's value as the README shows it: seconds in ms, ratios to three places."""
+    if v is None:
+        return "-"
+    return f"{v * 1e3:.2f} ms" if key.endswith("_s") else f"{v:.3f}"
+
+
+def readme_table(s: dict) -> str:
+    """The summary as a Markdown table: each target's figure, value, goal (met or not), source and date, and what
+    holds a missed one back."""
+    lines = [f"{s['device']}, JAX {s['jax_version']}; summarised {s['date'][:10]} by `bench/summary.py`.", "",
+             "| figure | measured | target | source | what holds it back |", "|---|---|---|---|---|"]
+    for key, t in s["targets"].items():
+        op, goal = t["target"].split()
+        met = {True: "✓", False: "✗", None: "not measured"}[t["met"]]
+        when = (t.get("source_date") or "")[:10]
+        why = (t.get("held_back_by") or {}).get("what", "")
+        cells = (f"{t['what']} (`{key}`)", _shown(key, t["measured"]),
+                 f"{'≥' if op == '>=' else '≤'} {_shown(key, float(goal))} {met}", f"`{t['source']}` {when}", why)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def update_readme(path: str, table: str) -> None:
+    """Replace what lies between the README's two markers with `table`; refuse a README without them."""
+    with open(path) as f:
+        text = f.read()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1 or end < begin:
+        raise SystemExit(f"{path}: the summary table goes between one line {README_BEGIN!r} and one line "
+                         f"{README_END!r} after it; add them where the table belongs")
+    with open(path, "w") as f:
+        f.write(text[:begin + len(README_BEGIN)] + "\n" + table + "\n" + text[end:])
+    print(f"wrote the summary table into {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--tiny", action="store_true", help="summarize the *_tiny.json files")
     ap.add_argument("--strict", action="store_true", help="exit status 1 if a run compiled after its warm-up")
+    ap.add_argument("--readme", default=None, metavar="PATH",
+                    help="also write the summary as a table between the markers in PATH (run_all.sh: README.md)")
     args = ap.parse_args(argv)
     folder = args.out or common.RESULTS
     s = summarize(folder, args.tiny)
     common.write_json(f"summary{'_tiny' if args.tiny else ''}.json", s, folder)
     print_table(s)
+    if args.readme:
+        update_readme(args.readme, readme_table(s))
     recompiled = [f for f, ok in s["checks"]["no_recompile"].items() if ok is False]
     if recompiled:
         print(f"FAIL: compiled after the warm-up in {recompiled}")

@@ -56,6 +56,31 @@ def test_run_all_tiny_writes_every_figure_and_the_summary(tiny_results):
         assert held and held["what"] and held["from"], f"{key} is missed and the summary does not say what holds it"
 
 
+def test_the_summary_rewrites_the_readme_table_between_its_markers_and_nothing_else(tiny_results, tmp_path):
+    import summary
+
+    readme = tmp_path / "README.md"
+    before, after = "# Title\n\nintro\n\n", "\n\nthe rest\n"
+    readme.write_text(before + summary.README_BEGIN + "\nlast run's table\n" + summary.README_END + after)
+    args = ["--tiny", "--out", str(tiny_results), "--readme", str(readme)]
+    s = summary.main(args)
+    text = readme.read_text()
+    assert text.startswith(before + summary.README_BEGIN + "\n") and text.endswith(summary.README_END + after)
+    assert "last run's table" not in text
+    rows = {key: next(line for line in text.splitlines() if f"(`{key}`)" in line) for key in s["targets"]}
+    for key, t in s["targets"].items():
+        assert rows[key].count(" | ") == 4, rows[key]
+        if t["met"] is False:
+            assert "✗" in rows[key] and t["held_back_by"]["what"] in rows[key], rows[key]
+    summary.main(args)
+    assert readme.read_text() == text, "a second run over the same results writes the same table"
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="the summary table goes between one line"):
+        summary.main(["--tiny", "--out", str(tiny_results), "--readme", str(bare)])
+    assert bare.read_text() == "no markers\n"
+
+
 def test_a_missed_static_peer_target_says_how_close_to_the_roofline_ours_would_have_to_run():
     import summary
 
