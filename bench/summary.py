@@ -9,7 +9,8 @@ cells, whether injected proposals let XLA drop the drafter, plain decoding over 
 prints target vs measured. A missing source leaves its value null. Each missed target gets `held_back_by`: what holds
 it back, in a sentence and its numbers, from the files of `EVIDENCE` beside the sources (`HELD_BACK`: a step's and a
 round's kernels from profile_round.json, the static peer against the roofline from plain_decode.json, a call's fixed
-cost from call_dispatch.json, the sampling filter alone from sampling_filter.json where it is there); null when a file
+cost from call_dispatch.json, the sampling filter alone from sampling_filter.json where it is there, the fused round
+against its phases from spec_round.json, the batch-64 round from sweep.json: every target has one); null when a file
 it needs is missing.
 
 With `--readme PATH` it also writes the targets as a Markdown table between two marker lines in PATH (`README_BEGIN`,
@@ -144,6 +145,30 @@ def _speedup_held_back(d: dict) -> dict:
             "round_over_plain_step": ratio, "ceiling": head["ceiling"], "round_needed": need}
 
 
+def _loop_held_back(d: dict) -> dict:
+    """The fused round against its phases, each jitted alone (spec_round.json's headline cell)."""
+    sr = d["spec_round"]
+    head = sr["headline"]
+    cell = next((c for c in sr["cells"] if (c["batch"], c["prompt"]) == (head["batch"], head["prompt"])), None)
+    ph = cell["phases"]
+    return {"what": f"the fused round takes {head['round_s'] * 1e3:.2f} ms against {head['sum_of_phases_s'] * 1e3:.2f} "
+                    f"ms for its phases jitted one at a time (draft {ph['draft_s'] * 1e3:.2f}, verify "
+                    f"{ph['verify_s'] * 1e3:.2f}, commit and ingest {ph['commit_ingest_s'] * 1e3:.2f} ms)",
+            "round_s": head["round_s"], "sum_of_phases_s": head["sum_of_phases_s"],
+            "phases_s": {k: ph[k] for k in ("draft_s", "verify_s", "commit_ingest_s")}}
+
+
+def _batch_64_held_back(d: dict) -> dict:
+    """The round at batch 64 in plain steps of batch 64, against what the goal needs at the measured acceptance."""
+    row = next((r for r in d["sweep"]["table"] if (r["batch"], r["prompt"]) == (64, 512)), None)
+    goal = next(t[4] for t in TARGETS if t[0] == "speedup_at_tau_6_5_batch_64")
+    need = row["tau_measured"] / goal
+    return {"what": f"the round: at batch 64 it takes {row['round_s'] * 1e3:.2f} ms, {row['round_over_plain_step']:.2f} "
+                    f"plain steps of {row['plain_step_s'] * 1e3:.2f} ms, and accepts {row['tau_measured']:.2f} tokens; "
+                    f"{goal}x needs a round of about {need:.2f} plain steps",
+            "round_over_plain_step": row["round_over_plain_step"], "round_needed": need}
+
+
 def _peer_held_back(d: dict) -> dict:
     """Both sides of the ratio against the roofline: how close to it ours would have to run."""
     p = d["plain_decode"]
@@ -204,7 +229,9 @@ HELD_BACK = {
     "plain_roofline_ratio": (("profile_round", "plain_decode"), _plain_held_back),
     "round_over_plain_step": (("profile_round",), _round_held_back),
     "speedup_at_tau_6_5": (("acceptance", "spec_round"), _speedup_held_back),
+    "loop_overhead": (("spec_round",), _loop_held_back),
     "speedup_over_static_peer": (("plain_decode",), _peer_held_back),
+    "speedup_at_tau_6_5_batch_64": (("sweep",), _batch_64_held_back),
     "fixed_cost_per_call_s": (("call_dispatch",), _fixed_cost_held_back),
     "sampled_round_over_greedy_b1": (("call_cost",), _sampled_held_back(1, "sampled")),
     "sampled_round_over_greedy_b8": (("call_cost",), _sampled_held_back(8, "sampled")),
