@@ -7,8 +7,12 @@ a 1,024-token cache, 64 steps in one `fori_loop`; `--tiny` shrinks all of it) th
 - `per_layer`: a leaf per layer and tensor, as the package keeps them;
 - `stacked`: weights and K/V in `[L, ...]` leaves;
 - `kv_stacked`: weights per layer, K/V in two `[L, ...]` leaves written at `(layer, row, position)`;
-and for each a jitted no-op call over the same (donated K/V) leaves. All three must end in the same hidden state
-(`same_state`).
+and for each a jitted no-op call over the same (donated K/V) leaves. Stacked weights reach their products through a
+slice of the stack, which XLA may copy out first; three more variants compile with XLA options that might avoid
+that copy: `stacked_slice_fusion` (the slice as an address offset of the product, XLA's dynamic-slice fusion, which
+applies to library calls), `stacked_slice_fusion_cublas` (the same with cuBLAS in place of Triton GEMMs, so that it
+has library calls to apply to) and `per_layer_cublas` (that one's baseline). All must end in the same hidden state
+(`same_state`); the compiled text's copies, slices and dynamic-slice fusions are counted.
 
     python bench/stacked_leaves.py           # GPU: stacked_leaves.json
     python bench/stacked_leaves.py --tiny    # CPU smoke test at small shapes: stacked_leaves_tiny.json
@@ -28,6 +32,13 @@ import common
 FULL = dict(layers=36, hidden=4096, ffn=12288, heads=32, kv_heads=8, head_dim=128, cache=1024, steps=64)
 TINY = dict(layers=4, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, cache=128, steps=4)
 FORMS = ("per_layer", "stacked", "kv_stacked")
+SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
+CUBLAS = {"xla_gpu_enable_triton_gemm": False}
+VARIANTS = {"per_layer": ("per_layer", {}), "stacked": ("stacked", {}), "kv_stacked": ("kv_stacked", {}),
+            "stacked_slice_fusion": ("stacked", SLICE_FUSION),
+            "stacked_slice_fusion_cublas": ("stacked", {**SLICE_FUSION, **CUBLAS}),
+            "per_layer_cublas": ("per_layer", CUBLAS)}
+"""Each variant's (form, XLA compiler options)."""
 
 
 def _rms(x, w):
@@ -123,18 +134,21 @@ def main(argv=None):
     payload = common.environment(tiny=args.tiny, reps=args.reps, calls=args.calls, **c)
     payload["weight_bytes"] = weight_bytes
     payload["forms"] = {}
-    for form in FORMS:
+    for name, (form, options) in VARIANTS.items():
         w, kc, vc = trees[form]
-        compiled = _steps(c, form).lower(w, kc, vc, x).compile()
+        compiled = _steps(c, form).lower(w, kc, vc, x).compile(options or None)
         text = compiled.as_text()
         step_s, (y, _, _) = common.timed(compiled, w, kc, vc, x, reps=args.reps)
         step_s /= c["steps"]
-        row = {"step_s": step_s, "weight_read_Bps": weight_bytes / step_s, "copies": text.count(" copy("),
+        row = {"form": form, "xla_options": options, "step_s": step_s, "weight_read_Bps": weight_bytes / step_s,
+               "copies": text.count(" copy("), "slices": text.count(" slice("),
+               "dynamic_slice_fusions": text.count("address_computation"),
                "leaves": len(jax.tree.leaves((w, kc, vc, x))), "noop_call_s": _noop_call_s(w, kc, vc, x, args.calls),
                "x_sum": float(jnp.sum(y.astype(jnp.float32)))}
-        payload["forms"][form] = row
-        print(f"{form:>10}: step {step_s * 1e3:.3f} ms ({row['weight_read_Bps'] / 1e12:.2f} TB/s of weights), "
-              f"{row['copies']} copies; no-op call over {row['leaves']} leaves {row['noop_call_s'] * 1e3:.3f} ms")
+        payload["forms"][name] = row
+        print(f"{name:>27}: step {step_s * 1e3:.3f} ms ({row['weight_read_Bps'] / 1e12:.2f} TB/s of weights), "
+              f"{row['copies']} copies, {row['slices']} slices, {row['dynamic_slice_fusions']} slice fusions; "
+              f"no-op call over {row['leaves']} leaves {row['noop_call_s'] * 1e3:.3f} ms")
     base = payload["forms"]["per_layer"]
     for row in payload["forms"].values():
         row["step_over_per_layer"] = row["step_s"] / base["step_s"]

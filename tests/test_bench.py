@@ -462,13 +462,13 @@ def test_sharded_bench_tiny_runs_losslessly_on_two_virtual_devices(tmp_path):
     assert payload["tp_speedup"] > 0 and payload["replicated_drafter_round_over_sharded"] > 0
 
 
-def test_stacked_leaves_times_three_layouts_of_one_model_that_agree(tmp_path):
+def test_stacked_leaves_times_each_layout_and_xla_variant_of_one_model_and_they_agree(tmp_path):
     import stacked_leaves
 
     payload = stacked_leaves.main(["--tiny", "--reps", "1", "--calls", "3", "--out", str(tmp_path)])
     assert (tmp_path / "stacked_leaves_tiny.json").is_file()
     forms = payload["forms"]
-    assert set(forms) == {"per_layer", "stacked", "kv_stacked"}
+    assert set(forms) == set(stacked_leaves.VARIANTS)
     assert payload["same_state"], {f: r["x_sum"] for f, r in forms.items()}
     layers = stacked_leaves.TINY["layers"]
     assert forms["per_layer"]["leaves"] == 8 * layers + 2 * layers + 1, "eight weights and K and V a layer, and x"
