@@ -470,6 +470,8 @@ def test_stacked_leaves_times_each_layout_and_xla_variant_of_one_model_and_they_
     forms = payload["forms"]
     assert set(forms) == set(stacked_leaves.VARIANTS)
     assert payload["same_state"], {f: r["x_sum"] for f, r in forms.items()}
+    assert forms["per_layer"]["state_rel_diff"] == 0
+    assert all(r["state_rel_diff"] < 1e-3 for r in forms.values()), {f: r["state_rel_diff"] for f, r in forms.items()}
     layers = stacked_leaves.TINY["layers"]
     assert forms["per_layer"]["leaves"] == 8 * layers + 2 * layers + 1, "eight weights and K and V a layer, and x"
     assert forms["stacked"]["leaves"] == 8 + 2 + 1
