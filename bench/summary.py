@@ -43,7 +43,7 @@ TARGETS = (
     ("speedup_over_static_peer", "plain_decode", lambda d: d["speedup_over_static_peer"], ">=", 1.85,
      "plain tokens/s over transformers' static-cache generate on the same weights (warmed up with the timed shapes)"),
     ("speedup_at_tau_6_5_batch_64", "sweep",
-     lambda d: next((r["speedup"] for r in d["table"] if (r["batch"], r["prompt"]) == (64, 512)), None), ">=", 2.0,
+     lambda d: _sweep_cell(d, 64, 512)["speedup"], ">=", 2.0,
      "speedup over plain at acceptance length 6.5, batch 64, prompt 512 (a compute-bound verify)"),
     ("fixed_cost_per_call_s", "call_cost", lambda d: d["fixed_cost_per_call_s"], "<=", 1e-3,
      "seconds a call of the compiled speculative loop (Session.burst) costs beyond its rounds"),
@@ -64,6 +64,16 @@ EVIDENCE = ("profile_round", "call_dispatch", "sampling_filter")
 fixed cost is made of, what the sampling filter costs alone."""
 GEMM_NAMES = ("gemm", "nvjet", "cublas", "dot")
 """Kernel names of matrix products: XLA's GEMM fusions, cuBLAS kernels, and on a CPU trace the dot ops."""
+
+
+def _goal(key: str) -> float:
+    """Target `key`'s goal, as TARGETS gives it."""
+    return next(t[4] for t in TARGETS if t[0] == key)
+
+
+def _sweep_cell(d: dict, batch: int, prompt: int):
+    """sweep.json's table row of `batch` x `prompt` (None if it did not run)."""
+    return next((r for r in d["table"] if (r["batch"], r["prompt"]) == (batch, prompt)), None)
 
 
 def _ratio(d: dict, batch: int, sampling: str):
@@ -137,7 +147,7 @@ def _round_held_back(d: dict) -> dict:
 def _speedup_held_back(d: dict) -> dict:
     """A speedup is tokens a round over the round's cost in plain steps: what the round would have to cost."""
     head, ratio = d["acceptance"]["headline"], d["spec_round"]["headline"]["round_over_plain_step"]
-    goal = next(t[4] for t in TARGETS if t[0] == "speedup_at_tau_6_5")
+    goal = _goal("speedup_at_tau_6_5")
     need = head["tau_measured"] / goal
     return {"what": f"the round: at acceptance {head['tau_measured']:.2f} a round of {ratio:.3f} plain steps caps the "
                     f"speedup near {head['ceiling']:.2f}x; {goal}x needs a round of about {need:.2f} plain steps "
@@ -160,8 +170,8 @@ def _loop_held_back(d: dict) -> dict:
 
 def _batch_64_held_back(d: dict) -> dict:
     """The round at batch 64 in plain steps of batch 64, against what the goal needs at the measured acceptance."""
-    row = next((r for r in d["sweep"]["table"] if (r["batch"], r["prompt"]) == (64, 512)), None)
-    goal = next(t[4] for t in TARGETS if t[0] == "speedup_at_tau_6_5_batch_64")
+    row = _sweep_cell(d["sweep"], 64, 512)
+    goal = _goal("speedup_at_tau_6_5_batch_64")
     need = row["tau_measured"] / goal
     return {"what": f"the round: at batch 64 it takes {row['round_s'] * 1e3:.2f} ms, {row['round_over_plain_step']:.2f} "
                     f"plain steps of {row['plain_step_s'] * 1e3:.2f} ms, and accepts {row['tau_measured']:.2f} tokens; "
@@ -174,7 +184,7 @@ def _peer_held_back(d: dict) -> dict:
     p = d["plain_decode"]
     peer = next((r for r in p["peers"] if r["cache_implementation"] == "static"), None)["tokens_per_s"]
     roof = p["roofline_tokens_per_s"]
-    goal = next(t[4] for t in TARGETS if t[0] == "speedup_over_static_peer")
+    goal = _goal("speedup_over_static_peer")
     return {"what": f"the peer: it decodes at {peer:.1f} tokens/s, {peer / roof:.2f} of the roofline "
                     f"({roof:.1f} tokens/s); {goal}x of it needs {goal * peer / roof:.2f} of the roofline, "
                     f"where ours runs at {p['roofline_ratio']:.2f}",
@@ -338,13 +348,13 @@ def readme_table(s: dict) -> str:
     holds a missed one back."""
     lines = [f"{s['device']}, JAX {s['jax_version']}; summarised {s['date'][:10]} by `bench/summary.py`.", "",
              "| figure | measured | target | source | what holds it back |", "|---|---|---|---|---|"]
+    ops = {t[0]: t[3] for t in TARGETS}
     for key, t in s["targets"].items():
-        op, goal = t["target"].split()
         met = {True: "✓", False: "✗", None: "not measured"}[t["met"]]
         when = (t.get("source_date") or "")[:10]
         why = (t.get("held_back_by") or {}).get("what", "")
         cells = (f"{t['what']} (`{key}`)", _shown(key, t["measured"]),
-                 f"{'≥' if op == '>=' else '≤'} {_shown(key, float(goal))} {met}", f"`{t['source']}` {when}", why)
+                 f"{'≥' if ops[key] == '>=' else '≤'} {_shown(key, _goal(key))} {met}", f"`{t['source']}` {when}", why)
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
