@@ -1,7 +1,7 @@
 """The hybrid targets' decode-step kernel switches, each alone, on the plain decode step (GPU).
 
-`moe.ROUTE_IMPL` ("pallas": the Triton routing kernel; "mosaic": its Mosaic GPU port), `moe.SHARED_EXPERT_AS_GROUP`
-and `gdn.STEP_KERNEL` are read when a program is traced. The plain decode loop (`decoding.plain.run`, `--new` tokens after a prompt of `--prompt`)
+`moe.ROUTE_IMPL` ("pallas": the Triton routing kernel; "mosaic": its Mosaic GPU port) and `gdn.STEP_KERNEL` are read
+when a program is traced. The plain decode loop (`decoding.plain.run`, `--new` tokens after a prompt of `--prompt`)
 is compiled ahead of time once per setting: all off, each switch alone, all on (with the Triton routing kernel).
 Then the settings are timed in turn, `--passes` times over, each run from a fresh copy of the same prefilled state,
 so drift between passes hits every setting alike. `step_s` is the loop's median seconds over its `new - 1` steps;
@@ -33,11 +33,12 @@ from dflash_jax.decoding.common import pack_prompts, stop_array
 from dflash_jax.targets import gdn, moe
 
 SWITCHES = {"route": (moe, "ROUTE_IMPL", "pallas"), "route_mosaic": (moe, "ROUTE_IMPL", "mosaic"),
-            "shared_group": (moe, "SHARED_EXPERT_AS_GROUP", True), "delta_step": (gdn, "STEP_KERNEL", True)}
-"""Name -> (module, attribute, its value when on). (`expert_matmul`'s on-chip repeat of one-row groups, timed here
-on 2026-12-06, gained nothing and was removed.)"""
-OFF = {"ROUTE_IMPL": "xla", "SHARED_EXPERT_AS_GROUP": False, "STEP_KERNEL": False}
-MOE_ONLY = ("route", "route_mosaic", "shared_group")
+            "delta_step": (gdn, "STEP_KERNEL", True)}
+"""Name -> (module, attribute, its value when on). Two more, each timed here and removed when it gained nothing:
+`expert_matmul`'s on-chip repeat of one-row groups (2026-12-06), and the MoE block's shared expert run as one more
+group of the expert products (2026-12-07, `bench/results/decode_kernels_shared_group_h100.json`)."""
+OFF = {"ROUTE_IMPL": "xla", "STEP_KERNEL": False}
+MOE_ONLY = ("route", "route_mosaic")
 
 
 def settings(cfg) -> dict:

@@ -3,10 +3,7 @@
     out[g] = x[g] @ w[expert[g]]        (float32 accumulation; groups with expert[g] < 0 give zeros)
 
 x `[G, M, K]` (M rows per group, zero-padded; or `[1, M, K]`, the same rows for every group, as a decode step's
-one token meets each of its k experts), w `[E, K, N]`, expert int32 `[G]`. An optional `shared [K, N]` is expert E,
-a matrix kept apart from `w` (the MoE block's shared expert, `SHARED_EXPERT_AS_GROUP` in dflash_jax/targets/moe.py),
-read in place like the others: its product joins the routed ones' launch instead of costing GEMMs of its own. The MoE
-block of a
+one token meets each of its k experts), w `[E, K, N]`, expert int32 `[G]`. The MoE block of a
 hybrid target (dflash_jax/targets/moe.py, `impl="grouped"`) sorts its T*k (token, expert) rows by
 expert into groups, one per distinct expert, so each chosen expert is read once however many of
 the block's tokens chose it. That is what a decode step (1 token, 8 experts) and a verify (16 tokens,
@@ -50,56 +47,48 @@ NUM_STAGES = 3
 TARGET_PROGRAMS = 264
 
 
-def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, shared: jax.Array | None = None,
-                  impl: str = "xla", interpret: bool | None = None, **tiles) -> jax.Array:
+def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, impl: str = "xla",
+                  interpret: bool | None = None, **tiles) -> jax.Array:
     """`float32[G, M, N]`: group g's rows `x[g]` times `w[expert[g]]`, zeros where `expert[g] < 0`.
 
-    x `[G, M, K]` and w `[E, K, N]` share a floating dtype; expert int `[G]` in `[-1, E)`, or `[-1, E]` with
-    `shared [K, N]` (same dtype), the matrix of expert E. float32
+    x `[G, M, K]` and w `[E, K, N]` share a floating dtype; expert int `[G]` in `[-1, E)`. float32
     inputs multiply at full float32 precision. `interpret` as in `block_attention`: None runs the
     kernel compiled on CUDA and interpreted elsewhere. `tiles` (block_k, block_n, num_warps,
     num_stages, target_programs) override the module's settings, for sweeps."""
-    _check(x, w, expert, shared, impl)
+    _check(x, w, expert, impl)
     expert = expert.astype(jnp.int32)
     if impl == "xla":
-        return _reference(x, w, expert, shared)
-    return where_lowered(functools.partial(_pallas, **tiles), interpret)(x, w, expert, shared)
+        return _reference(x, w, expert)
+    return where_lowered(functools.partial(_pallas, **tiles), interpret)(x, w, expert)
 
 
 def _precision(dtype):
     return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
-def _reference(x, w, expert, shared):
+def _reference(x, w, expert):
     x = jnp.broadcast_to(x, (expert.shape[0],) + x.shape[1:])
-    if shared is not None:
-        w = jnp.concatenate([w, shared[None]])
     mats = jnp.take(w, jnp.maximum(expert, 0), axis=0)
     out = jnp.einsum("gmk,gkn->gmn", x, mats, precision=_precision(x.dtype), preferred_element_type=jnp.float32)
     return jnp.where((expert >= 0)[:, None, None], out, 0.0)
 
 
-def _kernel(e_ref, x_ref, w_ref, *refs, block_k, block_n, steps, precision):
-    """One (group, output tile, K split): `steps` tiles of the group's expert (`w`'s, or the shared matrix when
-    `refs` holds one and the id is E), accumulated in float32."""
-    *shared_ref, o_ref = refs
+def _kernel(e_ref, x_ref, w_ref, o_ref, *, block_k, block_n, steps, precision):
+    """One (group, output tile, K split): `steps` tiles of the group's expert, accumulated in float32."""
     e = e_ref[()]
-    num_experts = w_ref.shape[0]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
     first = pl.program_id(2) * steps
 
-    def walk(tile):
-        def step(t, acc):
-            rows = pl.ds((first + t) * block_k, block_k)
-            return acc + jnp.dot(x_ref[:, rows], tile(rows), precision=precision, preferred_element_type=jnp.float32)
+    def step(t, acc):
+        rows = pl.ds((first + t) * block_k, block_k)
+        return acc + jnp.dot(x_ref[:, rows], w_ref[e, rows, cols], precision=precision,
+                             preferred_element_type=jnp.float32)
+
+    @pl.when(e >= 0)
+    def _live():
         o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
 
-    pl.when((e >= 0) & (e < num_experts))(lambda: walk(lambda rows: w_ref[e, rows, cols]))
-    if shared_ref:
-        pl.when(e == num_experts)(lambda: walk(lambda rows: shared_ref[0][rows, cols]))
-    last = num_experts if shared_ref else num_experts - 1
-
-    @pl.when((e < 0) | (e > last))
+    @pl.when(e < 0)
     def _dead():
         o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
 
@@ -110,7 +99,7 @@ def _splits(programs: int, k_steps: int, target: int) -> int:
     return max(d for d in range(1, want + 1) if k_steps % d == 0)
 
 
-def _pallas(x, w, expert, shared, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
+def _pallas(x, w, expert, *, interpret, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
             num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, target_programs: int = TARGET_PROGRAMS):
     """Pad rows to `padded_rows`, K and N to their tiles (zeros add nothing), run the grid, sum the splits, crop."""
     g, m, k = expert.shape[0], x.shape[1], x.shape[2]
@@ -122,8 +111,6 @@ def _pallas(x, w, expert, shared, *, interpret, block_k: int = BLOCK_K, block_n:
     x = jnp.pad(x, ((0, 0), (0, mp - m), (0, kp - k)))
     if (kp, np_) != (k, n):
         w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
-        shared = None if shared is None else jnp.pad(shared, ((0, kp - k), (0, np_ - n)))
-    extra = () if shared is None else (shared,)
     n_tiles = np_ // block_n
     splits = _splits(g * n_tiles, kp // block_k, target_programs)
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, steps=kp // block_k // splits,
@@ -135,13 +122,13 @@ def _pallas(x, w, expert, shared, *, interpret, block_k: int = BLOCK_K, block_n:
             pl.BlockSpec((None,), lambda i, j, s: (i,)),
             pl.BlockSpec((None, mp, kp), _group_rows(x)),
             pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0)),
-        ] + [pl.BlockSpec(a.shape, lambda i, j, s: (0, 0)) for a in extra],
+        ],
         out_specs=pl.BlockSpec((None, None, mp, block_n), lambda i, j, s: (s, i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((splits, g, mp, np_), jnp.float32),
         compiler_params=_triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="expert_matmul",
-    )(expert, x, w, *extra)
+    )(expert, x, w)
     return jnp.sum(out, axis=0)[:, :m, :n]
 
 
@@ -185,7 +172,7 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _check(x, w, expert, shared, impl) -> None:
+def _check(x, w, expert, impl) -> None:
     """Refuse a bad impl, dtype or shape here, with a sentence, instead of deep inside XLA."""
     if impl not in IMPLS:
         raise ValueError(f"expert_matmul: impl={impl!r} is not supported; choose one of {IMPLS}.")
@@ -197,9 +184,6 @@ def _check(x, w, expert, shared, impl) -> None:
         raise ValueError(f"expert_matmul: x and w must share one floating dtype; got {x.dtype} and {w.dtype}.")
     if not jnp.issubdtype(expert.dtype, jnp.integer):
         raise ValueError(f"expert_matmul: expert has dtype {expert.dtype}; expected integer ids in [-1, {w.shape[0]}).")
-    if shared is not None and (shared.shape != w.shape[1:] or shared.dtype != w.dtype):
-        raise ValueError(f"expert_matmul: shared must be one expert's matrix, {w.dtype} {w.shape[1:]}; got "
-                         f"{shared.dtype} {shared.shape}.")
 
 
 __all__ = ["IMPLS", "expert_matmul"]

@@ -192,7 +192,7 @@ def test_decode_kernels_times_each_switch_alone_and_restores_the_defaults(tmp_pa
     assert (tmp_path / "decode_kernels_tiny.json").exists()
     (model,) = payload["models"].values()
     assert set(model["cells"]) == {"off", "all", *decode_kernels.SWITCHES}, "the tiny hybrid has MoE layers"
-    assert model["cells"]["all"]["on"] == ["route", "shared_group", "delta_step"], "one routing kernel at a time"
+    assert model["cells"]["all"]["on"] == ["route", "delta_step"], "one routing kernel at a time"
     assert all(c["same_tokens_as_off"] and c["step_s"] > 0 for c in model["cells"].values())
     assert [(m, a, getattr(m, a)) for m, a, _ in decode_kernels.SWITCHES.values()] == before
     dense = decode_kernels.hybrid.MODELS["qwen3.5-9b"]

@@ -1,6 +1,5 @@
-"""The sparse MoE block: routing and every expert impl against a per-token numpy loop, against each other
-and against transformers' `Qwen3NextSparseMoeBlock` (copied weights); the shared expert as one more group; bf16,
-jit and refusals."""
+"""The sparse MoE block: routing and both expert impls against a per-token numpy loop, against each other
+and against transformers' `Qwen3NextSparseMoeBlock` (copied weights); bf16, jit and refusals."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import quant
 from dflash_jax.targets import moe
 from dflash_jax.targets.moe import MOE_IMPLS, experts, moe_block, route
 
@@ -181,31 +179,6 @@ def test_experts_alone_weights_each_chosen_expert():
         np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
 
 
-@pytest.mark.parametrize("t, batch", [(1, 1), (5, 2)])
-def test_a_shared_expert_of_the_routed_shape_runs_as_one_more_group(monkeypatch, t, batch):
-    """`"grouped"` runs a shared expert of the routed experts' shape as expert E (`SHARED_EXPERT_AS_GROUP`): the
-    same block as its own SwiGLU to float32 rounding, and the per-token loop's, at a decode step and a batch."""
-    params = random_params(21, 16, 6, 8, 8, router_scale=3.0)
-    assert moe._shared_as_group(params, "grouped")
-    x = jnp.asarray(np.random.default_rng(21).standard_normal((batch, t, 16)), jnp.float32)
-    merged = moe_block(x, params, top_k=2, norm_topk_prob=True, impl="grouped")
-    monkeypatch.setattr(moe, "SHARED_EXPERT_AS_GROUP", False)
-    apart = moe_block(x, params, top_k=2, norm_topk_prob=True, impl="grouped")
-    assert rel_err(merged, apart) <= 1e-6
-    assert rel_err(merged.reshape(-1, 16), oracle(x.reshape(-1, 16), params, 2, True)) <= 1e-5
-
-
-def test_the_shared_expert_stays_apart_where_it_cannot_be_a_group():
-    """Another impl, another width, another dtype or a quantised shared expert keep its own SwiGLU."""
-    params = random_params(22, 32, 4, 16, 16)
-    assert moe._shared_as_group(params, "grouped")
-    assert not moe._shared_as_group(params, "gather") and not moe._shared_as_group(params, "ragged")
-    assert not moe._shared_as_group(random_params(22, 32, 4, 16, 8), "grouped"), "shared width 8, routed 16"
-    assert not moe._shared_as_group({**params, "shared_down": params["shared_down"].astype(jnp.bfloat16)}, "grouped")
-    q8 = quant.quantize_array(np.asarray(params["shared_gate_up"]), "q8_0")
-    assert not moe._shared_as_group({**params, "shared_gate_up": q8}, "grouped")
-
-
 def test_default_impl():
     assert moe.default_impl("cpu") == moe.default_impl("cpu", tokens=48) == "gather"
     assert moe.default_impl("gpu") == moe.default_impl("gpu", tokens=moe.GROUPED_MAX_TOKENS) == "grouped"
@@ -249,8 +222,3 @@ def test_bad_arguments_are_refused():
         experts(tokens, w[:, :1], idx, params["w_gate_up"], params["w_down"], "gather")
     with pytest.raises(ValueError, match="x has dtype int32; expected a floating dtype"):
         route(tokens.astype(jnp.int32), params["router"], 2, True)
-    pair = (params["shared_gate_up"], params["shared_down"])
-    with pytest.raises(ValueError, match=r"shared takes impl 'grouped' and \(gate_up, down\) of one routed expert's"):
-        experts(tokens, w, idx, params["w_gate_up"], params["w_down"], "gather", shared=pair)
-    with pytest.raises(ValueError, match=r"got impl 'grouped' and \(\(16, 16\), \(4, 16\)\)"):
-        experts(tokens, w, idx, params["w_gate_up"], params["w_down"], "grouped", shared=(pair[0], pair[1][:4]))

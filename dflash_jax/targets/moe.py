@@ -13,9 +13,6 @@ The routed experts have three implementations (`MOE_IMPLS`), all accumulating in
   then un-sorted (a gather, so the sum over k keeps a fixed order). Each chosen expert is read once.
 - `"ragged"`: the same sorted rows multiplied by `jax.lax.ragged_dot` with one group per expert (all E).
 - `"gather"`: each token's k experts' weights gathered (`[T, k, H, 2I]`) and contracted by einsum.
-
-With `"grouped"`, a shared expert of the routed experts' shape runs as one more group (`SHARED_EXPERT_AS_GROUP`): its
-gate `sigmoid(x @ shared_gate)` becomes its weight in the sum over experts, taken in float32 with the routed ones.
 """
 from __future__ import annotations
 
@@ -24,7 +21,6 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import quant
 from dflash_jax.targets.layers import exact, matmul, swiglu
 from pallas_kernels.expert_matmul import expert_matmul
 from pallas_kernels.mesh import context_mesh
@@ -48,12 +44,6 @@ ROUTE_IMPL = "pallas"
 kernel (softmax, top-k and renormalisation in one, Triton lowering); "mosaic", its Mosaic GPU port. "pallas": on an
 H100 (bench/results/decode_kernels.json, the 35B-A3B shape cut to 32 layers, each setting compiled once and timed in
 turn, passes within 0.5%) it took the decode step from 3.223 to 3.096 ms (3.9%), the Mosaic GPU port to 3.213."""
-
-SHARED_EXPERT_AS_GROUP = True
-"""Whether `moe_block` runs the shared expert as one more group of `"grouped"`'s two expert products (expert id E:
-`expert_matmul`'s `shared`) instead of a SwiGLU of its own. Where its matrices have the routed experts' shapes (the
-Qwen3.5 and Qwen3-Next MoE configs: shared and routed widths 512) and are not quantised, that removes two GEMMs, the
-shared expert's activation and gate kernels and the add of the two outputs from every MoE layer."""
 
 PARAM_KEYS = ("router", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate")
 
@@ -95,22 +85,18 @@ def route_impl(num_experts: int, top_k: int, backend: str | None = None) -> str:
 
 
 def experts(x: jax.Array, weights: jax.Array, idx: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-            impl: str, activation: str = "silu", shared: tuple | None = None) -> jax.Array:
+            impl: str, activation: str = "silu") -> jax.Array:
     """`sum_k weights[t, k] * MLP_{idx[t, k]}(x[t])` for tokens `x [T, H]`, each expert a gated MLP (SwiGLU by
     default): `[T, H]` in x.dtype.
 
     weights `[T, k]`, idx int `[T, k]` in `[0, E)`, w_gate_up `[E, H, 2I]`, w_down `[E, I, H]`. The
     products accumulate in float32 (full float32 for float32 inputs); the gated activation is cast to
-    x.dtype before the down projection, as transformers does. `activation` (of `ACTIVATIONS`) is the gate's.
-    `shared`, `(gate_up [H, 2I], down [I, H])` (`"grouped"` only), is expert E: idx may then name it."""
-    _check_experts(x, weights, idx, w_gate_up, w_down, impl, shared)
+    x.dtype before the down projection, as transformers does. `activation` (of `ACTIVATIONS`) is the gate's."""
+    _check_experts(x, weights, idx, w_gate_up, w_down, impl)
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: activation={activation!r} is not supported; choose one of {tuple(ACTIVATIONS)}.")
     act = ACTIVATIONS[activation]
-    if shared is not None:
-        y = _grouped(x, idx, w_gate_up, w_down, act, shared)
-    else:
-        y = {"grouped": _grouped, "ragged": _ragged, "gather": _gather}[impl](x, idx, w_gate_up, w_down, act)
+    y = {"grouped": _grouped, "ragged": _ragged, "gather": _gather}[impl](x, idx, w_gate_up, w_down, act)
     return jnp.sum(weights.astype(jnp.float32)[..., None] * y, axis=1).astype(x.dtype)
 
 
@@ -134,15 +120,13 @@ def _rows_by_expert(x, idx, num_experts):
     return jnp.take(x, order // idx.shape[1], axis=0), sizes, order
 
 
-def _grouped(x, idx, w_gate_up, w_down, act, shared=None):
+def _grouped(x, idx, w_gate_up, w_down, act):
     """Per-(token, expert) outputs `[T, k, H]` float32: rows grouped by distinct expert, `G = min(E, T*k)` groups
-    of up to T rows (an expert appears at most once per token); unused groups have expert -1 and cost nothing.
-    `shared` (gate_up, down) is expert E, one more possible group."""
+    of up to T rows (an expert appears at most once per token); unused groups have expert -1 and cost nothing."""
     t, k = idx.shape
-    up_shared, down_shared = (None, None) if shared is None else shared
     if t == 1:  # a decode step: its k experts are distinct already, each meets the one row (shared, not copied)
-        gated = _gated_act(expert_matmul(x[None], w_gate_up, idx[0], shared=up_shared, impl="pallas"), x.dtype, act)
-        return expert_matmul(gated, w_down, idx[0], shared=down_shared, impl="pallas").reshape(1, k, -1)
+        gated = _gated_act(expert_matmul(x[None], w_gate_up, idx[0], impl="pallas"), x.dtype, act)
+        return expert_matmul(gated, w_down, idx[0], impl="pallas").reshape(1, k, -1)
     n = t * k
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -150,11 +134,11 @@ def _grouped(x, idx, w_gate_up, w_down, act, shared=None):
     first = jnp.concatenate([jnp.ones((1,), bool), by_expert[1:] != by_expert[:-1]])
     group = jnp.cumsum(first) - 1
     slot = jnp.arange(n) - jax.lax.cummax(jnp.where(first, jnp.arange(n), 0))
-    groups = min(w_gate_up.shape[0] + (shared is not None), n)
+    groups = min(w_gate_up.shape[0], n)
     expert = jnp.full((groups,), -1, jnp.int32).at[group].set(by_expert.astype(jnp.int32))
     rows = jnp.zeros((groups, t, x.shape[1]), x.dtype).at[group, slot].set(jnp.take(x, order // k, axis=0))
-    gated = _gated_act(expert_matmul(rows, w_gate_up, expert, shared=up_shared, impl="pallas"), x.dtype, act)
-    y = expert_matmul(gated, w_down, expert, shared=down_shared, impl="pallas")
+    gated = _gated_act(expert_matmul(rows, w_gate_up, expert, impl="pallas"), x.dtype, act)
+    y = expert_matmul(gated, w_down, expert, impl="pallas")
     back = jnp.argsort(order)
     return y[group[back], slot[back]].reshape(t, k, -1)
 
@@ -181,24 +165,10 @@ def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool, i
     _check_block(x, params, impl)
     tokens = x.reshape(-1, x.shape[-1])
     weights, idx = route(tokens, params["router"], top_k, norm_topk_prob)
-    gate = jax.nn.sigmoid(matmul(tokens, params["shared_gate"]))
-    if _shared_as_group(params, impl):
-        ids = jnp.concatenate([idx, jnp.full_like(idx[:, :1], params["w_gate_up"].shape[0])], axis=1)
-        y = experts(tokens, jnp.concatenate([weights, gate.astype(weights.dtype)], axis=1), ids, params["w_gate_up"],
-                    params["w_down"], impl, shared=(params["shared_gate_up"], params["shared_down"]))
-        return y.reshape(x.shape)
     routed = experts(tokens, weights, idx, params["w_gate_up"], params["w_down"], impl)
-    shared = gate * swiglu(tokens, params["shared_gate_up"], params["shared_down"])
+    shared = jax.nn.sigmoid(matmul(tokens, params["shared_gate"])) * swiglu(
+        tokens, params["shared_gate_up"], params["shared_down"])
     return (routed + shared).reshape(x.shape)
-
-
-def _shared_as_group(params: dict, impl: str) -> bool:
-    """Whether the shared expert runs as a group of the routed products (`SHARED_EXPERT_AS_GROUP`): with
-    `"grouped"`, its matrices unquantised and of the routed experts' shapes and dtype."""
-    up, down = params["shared_gate_up"], params["shared_down"]
-    return (SHARED_EXPERT_AS_GROUP and impl == "grouped" and not quant.is_quantized(up)
-            and not quant.is_quantized(down) and up.shape == params["w_gate_up"].shape[1:]
-            and down.shape == params["w_down"].shape[1:] and up.dtype == down.dtype == params["w_gate_up"].dtype)
 
 
 def _check_impl(impl) -> None:
@@ -225,14 +195,9 @@ def _check_route(x, w_router, top_k, norm_topk_prob) -> None:
         raise ValueError(f"moe: norm_topk_prob={norm_topk_prob!r} must be True or False.")
 
 
-def _check_experts(x, weights, idx, w_gate_up, w_down, impl, shared) -> None:
+def _check_experts(x, weights, idx, w_gate_up, w_down, impl) -> None:
     """Refuse a bad impl, dtype or shape before tracing the products."""
     _check_impl(impl)
-    if shared is not None and (impl != "grouped" or len(shared) != 2
-                               or shared[0].shape != w_gate_up.shape[1:] or shared[1].shape != w_down.shape[1:]):
-        raise ValueError(f"moe: shared takes impl 'grouped' and (gate_up, down) of one routed expert's shapes "
-                         f"{w_gate_up.shape[1:]} and {w_down.shape[1:]}; got impl {impl!r} and "
-                         f"{tuple(getattr(a, 'shape', a) for a in shared)}.")
     if x.ndim != 2 or w_gate_up.ndim != 3 or w_down.ndim != 3:
         raise ValueError(f"moe: experts take x [T, H], w_gate_up [E, H, 2I] and w_down [E, I, H]; got x {x.shape}, "
                          f"w_gate_up {w_gate_up.shape}, w_down {w_down.shape}.")
@@ -267,5 +232,5 @@ def _check_block(x, params, impl) -> None:
                          f"{params['shared_gate'].shape} do not fit H = {h}; expected [{h}, 2Is], [Is, {h}], [{h}, 1].")
 
 
-__all__ = ["ACTIVATIONS", "GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "ROUTE_IMPL", "SHARED_EXPERT_AS_GROUP",
-           "default_impl", "experts", "moe_block", "route", "route_impl"]
+__all__ = ["ACTIVATIONS", "GROUPED_MAX_TOKENS", "MOE_IMPLS", "PARAM_KEYS", "ROUTE_IMPL", "default_impl", "experts",
+           "moe_block", "route", "route_impl"]
