@@ -43,7 +43,7 @@ TARGETS = (
     ("speedup_over_static_peer", "plain_decode", lambda d: d["speedup_over_static_peer"], ">=", 1.85,
      "plain tokens/s over transformers' static-cache generate on the same weights (warmed up with the timed shapes)"),
     ("speedup_at_tau_6_5_batch_64", "sweep",
-     lambda d: _sweep_cell(d, 64, 512)["speedup"], ">=", 2.0,
+     lambda d: _row(d["table"], batch=64, prompt=512)["speedup"], ">=", 2.0,
      "speedup over plain at acceptance length 6.5, batch 64, prompt 512 (a compute-bound verify)"),
     ("fixed_cost_per_call_s", "call_cost", lambda d: d["fixed_cost_per_call_s"], "<=", 1e-3,
      "seconds a call of the compiled speculative loop (Session.burst) costs beyond its rounds"),
@@ -71,9 +71,9 @@ def _goal(key: str) -> float:
     return next(t[4] for t in TARGETS if t[0] == key)
 
 
-def _sweep_cell(d: dict, batch: int, prompt: int):
-    """sweep.json's table row of `batch` x `prompt` (None if it did not run)."""
-    return next((r for r in d["table"] if (r["batch"], r["prompt"]) == (batch, prompt)), None)
+def _row(rows: list, **match):
+    """The first of `rows` whose fields equal `match` (a cell of batch x prompt, say), or None if none ran."""
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
 
 
 def _ratio(d: dict, batch: int, sampling: str):
@@ -159,8 +159,7 @@ def _loop_held_back(d: dict) -> dict:
     """The fused round against its phases, each jitted alone (spec_round.json's headline cell)."""
     sr = d["spec_round"]
     head = sr["headline"]
-    cell = next((c for c in sr["cells"] if (c["batch"], c["prompt"]) == (head["batch"], head["prompt"])), None)
-    ph = cell["phases"]
+    ph = _row(sr["cells"], batch=head["batch"], prompt=head["prompt"])["phases"]
     return {"what": f"the fused round takes {head['round_s'] * 1e3:.2f} ms against {head['sum_of_phases_s'] * 1e3:.2f} "
                     f"ms for its phases jitted one at a time (draft {ph['draft_s'] * 1e3:.2f}, verify "
                     f"{ph['verify_s'] * 1e3:.2f}, commit and ingest {ph['commit_ingest_s'] * 1e3:.2f} ms)",
@@ -170,7 +169,7 @@ def _loop_held_back(d: dict) -> dict:
 
 def _batch_64_held_back(d: dict) -> dict:
     """The round at batch 64 in plain steps of batch 64, against what the goal needs at the measured acceptance."""
-    row = _sweep_cell(d["sweep"], 64, 512)
+    row = _row(d["sweep"]["table"], batch=64, prompt=512)
     goal = _goal("speedup_at_tau_6_5_batch_64")
     need = row["tau_measured"] / goal
     return {"what": f"the round: at batch 64 it takes {row['round_s'] * 1e3:.2f} ms, {row['round_over_plain_step']:.2f} "
@@ -182,7 +181,7 @@ def _batch_64_held_back(d: dict) -> dict:
 def _peer_held_back(d: dict) -> dict:
     """Both sides of the ratio against the roofline: how close to it ours would have to run."""
     p = d["plain_decode"]
-    peer = next((r for r in p["peers"] if r["cache_implementation"] == "static"), None)["tokens_per_s"]
+    peer = _row(p["peers"], cache_implementation="static")["tokens_per_s"]
     roof = p["roofline_tokens_per_s"]
     goal = _goal("speedup_over_static_peer")
     return {"what": f"the peer: it decodes at {peer:.1f} tokens/s, {peer / roof:.2f} of the roofline "
@@ -215,8 +214,7 @@ def _sampled_held_back(batch: int, sampling: str):
         out = {"what": f"a round at batch {batch} costs {extra * 1e3:.2f} ms more than a greedy one "
                        f"({cell['round_s'] * 1e3:.2f} against {greedy['round_s'] * 1e3:.2f} ms)",
                "extra_per_round_s": extra}
-        alone = next((c for c in (d.get("sampling_filter") or {}).get("cells", [])
-                      if c["batch"] == batch and c["setting"] == "k50_p0.9"), None)
+        alone = _row((d.get("sampling_filter") or {}).get("cells", []), batch=batch, setting="k50_p0.9")
         impl = d["call_cost"].get("default_filter", "threshold")  # the filter the rounds above ran
         if alone and f"{impl}_us" in alone:
             out["what"] += (f"; the filter over a verify's {alone['rows']} rows alone took "
