@@ -172,9 +172,9 @@ def _batch_64_held_back(d: dict) -> dict:
     row = _row(d["sweep"]["table"], batch=64, prompt=512)
     goal = _goal("speedup_at_tau_6_5_batch_64")
     need = row["tau_measured"] / goal
-    return {"what": f"the round: at batch 64 it takes {row['round_s'] * 1e3:.2f} ms, {row['round_over_plain_step']:.2f} "
-                    f"plain steps of {row['plain_step_s'] * 1e3:.2f} ms, and accepts {row['tau_measured']:.2f} tokens; "
-                    f"{goal}x needs a round of about {need:.2f} plain steps",
+    return {"what": f"the round: at batch 64 it takes {row['round_s'] * 1e3:.2f} ms, "
+                    f"{row['round_over_plain_step']:.2f} plain steps of {row['plain_step_s'] * 1e3:.2f} ms, and "
+                    f"accepts {row['tau_measured']:.2f} tokens; {goal}x needs a round of about {need:.2f} plain steps",
             "round_over_plain_step": row["round_over_plain_step"], "round_needed": need}
 
 
@@ -351,8 +351,8 @@ def readme_table(s: dict) -> str:
         met = {True: "✓", False: "✗", None: "not measured"}[t["met"]]
         when = (t.get("source_date") or "")[:10]
         why = (t.get("held_back_by") or {}).get("what", "")
-        cells = (f"{t['what']} (`{key}`)", _shown(key, t["measured"]),
-                 f"{'≥' if ops[key] == '>=' else '≤'} {_shown(key, _goal(key))} {met}", f"`{t['source']}` {when}", why)
+        goal = f"{'≥' if ops[key] == '>=' else '≤'} {_shown(key, _goal(key))} {met}"
+        cells = (f"{t['what']} (`{key}`)", _shown(key, t["measured"]), goal, f"`{t['source']}` {when}", why)
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
