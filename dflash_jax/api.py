@@ -54,20 +54,23 @@ def load_target(path, dtype=None, *, check_finite: bool = True, revision: Option
 
 def load_drafter(path, target: Target | None = None, dtype=None, *, check_finite: bool = True,
                  revision: Optional[str] = None, precision: Optional[str] = None, mesh=None, replicated: bool = False,
-                 strict: bool = False, **overrides) -> Drafter:
+                 strict: bool = False, proposal_head: Optional[bool] = None, **overrides) -> Drafter:
     """A drafter folder or repo id (z-lab `DFlashDraftModel`, `DSparkDraftModel`; ids as for
     `load_target`) as a `Drafter`, checked against `target` when given.
 
     With a target the drafter computes in the target's dtype: `dtype=None` casts it, another dtype is
     refused naming both. `check_finite` as for `load_target`. `precision` quantises the weights as they load
     (keyword > DFLASH_PREC > as saved); the target still decides every token, so the output does not change.
+    A quantised drafter loaded with its target proposes through a copy of the target's LM head in its own
+    format (`Drafter.with_head`; `proposal_head=False` or DFLASH_PROPOSAL_HEAD=0 reads the target's).
     `overrides` set census fields by name (e.g. `block_size=8`, `harvest="dflash"`). `mesh` and `strict` as for
     `load_target`; `replicated=True` keeps every leaf whole on every device (a small drafter then runs without
     collectives)."""
     folder = hub.resolve(path, revision=revision, what="drafter")
-    return checkpoints.read_drafter(folder, target.config if target is not None else None, dtype,
-                                    check_finite=check_finite, precision=precision, mesh=mesh, replicated=replicated,
-                                    strict=strict, **overrides)
+    drafter = checkpoints.read_drafter(folder, target.config if target is not None else None, dtype,
+                                       check_finite=check_finite, precision=precision, mesh=mesh,
+                                       replicated=replicated, strict=strict, **overrides)
+    return drafter if target is None else drafter.with_head(target, proposal_head)
 
 
 def shard(model, mesh, *, replicated: bool = False, strict: bool = False):

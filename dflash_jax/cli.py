@@ -163,6 +163,10 @@ def describe_precision(path, config: Mapping, cfg, family, precision: Optional[s
     lines += [f"  {line}" for line in quant.describe(family.param_shapes(cfg), value)]
     if target and cfg.tie_word_embeddings:
         lines.append("  lm head: the tied embedding table, float (kept: it is also read by gather)")
+    head = quant.role_format(value, "lm head")
+    if not target and head is not None:
+        lines.append(f"  lm head: the target's; loaded with a target whose head is float, a {head} copy of it "
+                     "(DFLASH_PROPOSAL_HEAD=0 reads the target's own)")
     return lines
 
 
@@ -322,9 +326,11 @@ def cmd_generate(args) -> int:
 
 
 def _precision_note(target, drafter) -> str:
-    """", drafter q8_0, target int8": the precision of each quantised model (nothing when neither is)."""
+    """", drafter q8_0 (LM head copy q8_0), target int8": the precision of each quantised model, and of the
+    drafter's copy of the target's LM head (nothing when neither model is quantised)."""
     held = [(name, quant.precision_of(m.params)) for name, m in (("drafter", drafter), ("target", target))]
-    return "".join(f", {name} {p}" for name, p in held if p != "bf16")
+    copy = f" (LM head copy {drafter.head.fmt})" if drafter.head is not None else ""
+    return "".join(f", {name} {p}{copy if name == 'drafter' else ''}" for name, p in held if p != "bf16")
 
 
 def _compare(target, drafter, ids, max_new_tokens: int, stops, sampling) -> int:
@@ -392,7 +398,8 @@ def cmd_bench(args) -> int:
     tokenizer, target, drafter, stops = _load_pair(args)
     settings = {"target": args.target or "demo", "drafter": args.drafter or f"demo {args.demo_drafter}",
                 "max_samples": args.max_samples, "seed": args.seed, "dtype": target.config.dtype,
-                "precision": quant.precision_of(drafter.params), "target_precision": quant.precision_of(target.params)}
+                "precision": quant.precision_of(drafter.params), "target_precision": quant.precision_of(target.params),
+                "proposal_head": drafter.head.fmt if drafter.head is not None else None}
     report = benchmark.run_bench(target, drafter, tokenizer, rows, dataset=args.dataset, chat=args.chat,
                                  max_new_tokens=args.max_new_tokens, stop_tokens=stops, sampling=sampling,
                                  settings=settings)

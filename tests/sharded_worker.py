@@ -116,6 +116,10 @@ def families(tp: int, dp: int) -> dict:
         report["loaded_q8_0"] = {"params": specs(lq.params), "shard_params": report["quantised"]["params"],
                                  "tokens": [report["quantised"]["tokens"][0],
                                             dj.generate(lq, None, PROMPTS, max_new_tokens=N).tokens]}
+        qd = dj.load_drafter(os.path.join(tmp, "d"), lt, mesh=mesh, precision="q8_0")
+        report["head_copy"] = {"spec": specs(qd.head), "target_head": specs(lt.params["lm_head"]),
+                               "tokens": [report["dense"]["plain_greedy"][0],
+                                          dj.generate(lt, qd, PROMPTS, max_new_tokens=N).tokens]}
         report["loaded"] = {"params": specs(lt.params), "shard_params": specs(dj.shard(dense, mesh).params),
                             "drafter": specs(ld.params),
                             "tokens": [report["dense"]["plain_greedy"][0],

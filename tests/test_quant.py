@@ -1,5 +1,6 @@
 """Weight precision (docs/architecture.md, "Weight precision"): the original's q8_0 and q4_0 and int8 per channel,
 the dequantising product and its kernel, quantisation at load, save and reload, and what stays lossless."""
+import dataclasses
 import json
 import os
 import sys
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import dflash_jax
-from conftest import random_params, target_param_shapes, tiny_drafter, tiny_hybrid, tiny_target
+from conftest import random_params, target_param_shapes, tiny_drafter, tiny_gemma4, tiny_hybrid, tiny_target
 from dflash_jax import cli, quant
 from dflash_jax.config import CheckpointError, TargetConfig, policy
 from dflash_jax.io import checkpoints
@@ -427,6 +428,57 @@ def test_greedy_speculative_with_a_quantised_drafter_equals_plain_greedy(target,
     assert out.tokens == plain, f"{precision} drafter: speculative output differs from plain greedy"
 
 
+@pytest.mark.parametrize("precision", ["q8_0", "q4_0", "int8"])
+def test_a_quantised_drafter_proposes_through_its_own_copy_of_the_targets_head_and_stays_lossless(
+        target, plain, precision, monkeypatch):
+    monkeypatch.delenv("DFLASH_PROPOSAL_HEAD", raising=False)
+    drafter = quant.quantize(tiny_drafter(target, 8), precision)
+    headed = drafter.with_head(target)
+    head = np.asarray(target.params["lm_head"])
+    assert headed.head.fmt == precision and headed.head.shape == head.shape
+    want = quant.quantize_array(head, precision)
+    assert np.array_equal(headed.head.data, want.data) and np.array_equal(headed.head.scales, want.scales)
+    h = jax.random.normal(jax.random.PRNGKey(3), (2, 8, target.config.hidden_size), jnp.float32)
+    got = np.asarray(headed.harvest_logits(target, h))
+    ref = np.asarray(h[:, 1:]) @ np.asarray(qmm.dequantize(want.data, want.scales, precision), np.float32)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - np.asarray(drafter.harvest_logits(target, h))).max() > 1e-4, "the target's head was read"
+    out = dflash_jax.generate(target, headed, PROMPTS, max_new_tokens=MAX_NEW)
+    assert out.tokens == plain, f"{precision} drafter with its head copy: speculative output differs from plain"
+
+
+def test_no_head_copy_is_made_for_a_float_head_or_when_switched_off(target, monkeypatch):
+    monkeypatch.delenv("DFLASH_PROPOSAL_HEAD", raising=False)
+    float_drafter = tiny_drafter(target, 4)
+    q8 = quant.quantize(float_drafter, "q8_0")
+    assert float_drafter.with_head(target).head is None, "bf16 keeps the head float"
+    assert quant.quantize(float_drafter, "mixed").with_head(target).head is None, "mixed keeps the head float"
+    assert q8.with_head(quant.quantize(target, "int8")).head is None, "the target's head is already quantised"
+    assert q8.with_head(target, enabled=False).head is None
+    assert q8.with_head(target).with_head(target, enabled=False).head is None, "switching it off drops a copy"
+    monkeypatch.setenv("DFLASH_PROPOSAL_HEAD", "0")
+    assert q8.with_head(target).head is None
+    assert q8.with_head(target, enabled=True).head is not None, "the keyword outranks the environment"
+    monkeypatch.setenv("DFLASH_PROPOSAL_HEAD", "yes")
+    with pytest.raises(ValueError, match=r"DFLASH_PROPOSAL_HEAD='yes': unknown proposal_head; choices: 0, 1"):
+        q8.with_head(target)
+
+
+def test_a_tied_head_is_copied_from_the_embedding_and_a_softcap_still_applies(monkeypatch):
+    monkeypatch.delenv("DFLASH_PROPOSAL_HEAD", raising=False)
+    tied = tiny_target(0)
+    tied = tied.replace(config=dataclasses.replace(tied.config, tie_word_embeddings=True),
+                        params={k: v for k, v in tied.params.items() if k != "lm_head"})
+    headed = quant.quantize(tiny_drafter(tied, 4), "q8_0").with_head(tied)
+    assert np.array_equal(headed.head.data, quant.quantize_array(np.asarray(tied.params["embed"]).T, "q8_0").data)
+    gemma = tiny_gemma4()
+    headed = quant.quantize(tiny_drafter(gemma, 4, tap_ids=(0, 2)), "q8_0").with_head(gemma)
+    h = 50.0 * jax.random.normal(jax.random.PRNGKey(4), (1, 4, gemma.config.hidden_size), jnp.float32)
+    logits = np.asarray(gemma.logits(h, headed.head))
+    cap = gemma.config.final_logit_softcapping
+    assert np.abs(logits).max() < cap and np.abs(logits).max() > 0.5 * cap, "the soft-cap is Gemma-4's, copy or not"
+
+
 def test_a_quantised_target_decodes_speculatively_as_it_decodes_plainly(target, plain):
     qt = quant.quantize(target, "q4_0")
     own = dflash_jax.generate(qt, None, PROMPTS, max_new_tokens=MAX_NEW).tokens
@@ -511,6 +563,9 @@ def test_loading_quantises_as_quantize_does_and_a_float_save_keeps_no_precision(
         assert "precision" not in json.load(f).get("dflash_jax", {})
     loaded = dflash_jax.load_drafter(tmp_path / "d", target, precision="q4_0")
     assert _same(loaded.params, quant.quantize(drafter, "q4_0").params)
+    assert loaded.head.fmt == "q4_0", "a drafter loaded with its float-headed target copies the head"
+    assert dflash_jax.load_drafter(tmp_path / "d", target, precision="q4_0", proposal_head=False).head is None
+    assert dflash_jax.load_drafter(tmp_path / "d", precision="q4_0").head is None, "no target, nothing to copy"
 
 
 def test_the_environment_sets_the_drafters_precision_and_not_the_targets(tmp_path, target, monkeypatch):
@@ -568,6 +623,10 @@ def test_inspect_shows_each_groups_precision(tmp_path, target, capsys, monkeypat
     out = capsys.readouterr().out
     assert "precision: mixed (--precision; the checkpoint holds float weights)" in out
     assert "  mlp: q8_0 (4 tensors)" in out and "  attention: float (kept) (6 tensors)" in out
+    assert "lm head" not in out, "mixed keeps the head float: no copy"
+    assert cli.main(["inspect", str(tmp_path / "d"), "--precision", "q4_0"]) == 0
+    assert "  lm head: the target's; loaded with a target whose head is float, a q4_0 copy of it" in \
+        capsys.readouterr().out
     assert cli.main(["inspect", str(tmp_path / "t")]) == 0
     out = capsys.readouterr().out
     assert "precision: int8 (as saved; the checkpoint holds int8)" in out and "  lm head: int8 (1 tensor)" in out
@@ -579,7 +638,8 @@ def test_inspect_shows_each_groups_precision(tmp_path, target, capsys, monkeypat
 def test_generate_takes_the_drafters_and_the_targets_precision(capsys):
     assert cli.main(["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--precision", "q8_0",
                      "--target-precision", "int8"]) == 0
-    assert "(block size 16, drafter q8_0, target int8)" in capsys.readouterr().err
+    assert "(block size 16, drafter q8_0 (LM head copy q8_0), target int8)" in capsys.readouterr().err, \
+        "the demo target's head is its tied embedding, which stays float, so the drafter copies it"
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--prompt", "x", "--precision", "fp4"])
     assert e.value.code == 2
@@ -594,15 +654,20 @@ def test_bench_quant_tiny_measures_every_part_and_stays_lossless(tmp_path):
     import quant as bench_quant
 
     payload = bench_quant.main(["--tiny", "--out", str(tmp_path), "--precisions", "q8_0", "--batches", "1",
-                                "--reps", "1", "--new", "16", "--calls", "2", "--phase-reps", "1", "--taus", "6.5"])
+                                "--reps", "1", "--new", "16", "--calls", "2", "--phase-reps", "1", "--taus", "6.5",
+                                "--heads", "copy", "target"])
     assert (tmp_path / "quant_tiny.json").exists() and (tmp_path / "quant_tiny.png").exists()
     assert all(c["ok"] for c in payload["kernel"]["cells"]), "the kernel disagrees with the reference"
     assert all(c["lossless"] and c["no_recompile"] for c in payload["drafter_round"]["cells"])
     assert {c["precision"] for c in payload["target_plain"]["cells"]} == {"bf16", "int8"}
-    assert set(payload["summary"]) >= {"q8_0_b1_round_over_plain_step", "target_int8_b1_tokens_per_s_over_bf16"}
+    assert set(payload["summary"]) >= {"q8_0_b1_round_over_plain_step", "q8_0_head_copy_b1_round_over_plain_step",
+                                       "target_int8_b1_tokens_per_s_over_bf16"}
+    heads = {c["head"]: c["head_bytes"] for c in payload["drafter_round"]["cells"]}
+    assert set(heads) == {"q8_0", "target"} and heads["q8_0"] > 0 == heads["target"]
     again = bench_quant.main(["--tiny", "--out", str(tmp_path), "--parts", "target", "--target-precisions", "bf16",
                               "--batches", "1", "--reps", "1", "--new", "16"])
-    assert {c["precision"] for c in again["drafter_round"]["cells"]} == {"q8_0"}, "a later part's run keeps the others"
+    kept = {(c["precision"], c["head"]) for c in again["drafter_round"]["cells"]}
+    assert kept == {("q8_0", "q8_0"), ("q8_0", "target")}, "a later part's run keeps the others"
 
 
 def test_training_a_quantised_drafter_is_refused_naming_the_way_out():

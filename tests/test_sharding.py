@@ -151,6 +151,13 @@ def test_load_places_every_tensor_as_shard_does_and_a_drafter_may_be_replicated(
     assert r["tokens"][1] == r["tokens"][0]
 
 
+def test_a_drafters_head_copy_is_split_by_vocabulary_like_the_targets_head_and_decodes_the_same(four):
+    r = four["head_copy"]
+    assert r["target_head"] == {"": [None, "tp"]}
+    assert r["spec"] == {".data": [None, "tp"], ".scales": [None, "tp"]}, r["spec"]
+    assert r["tokens"][1] == r["tokens"][0], "a sharded q8_0 drafter with its head copy changed the tokens"
+
+
 def test_a_target_quantised_as_it_loads_is_placed_as_shard_places_a_quantised_one(four):
     r = four["loaded_q8_0"]
     assert r["params"] == r["shard_params"], "load_target(mesh=, precision='q8_0') and shard(quantize()) disagree"

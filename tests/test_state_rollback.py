@@ -56,8 +56,8 @@ class RunningSumLM(nn.Module):
     def embed(self, tokens):
         return self.embedding[tokens]
 
-    def logits(self, h):
-        return jnp.matmul(h, self.head, preferred_element_type=jnp.float32)
+    def logits(self, h, head=None):
+        return jnp.matmul(h, self.head if head is None else head, preferred_element_type=jnp.float32)
 
     def extend(self, total, tokens, tap_ids):
         """`(h, taps, sums)`: `sums[b, i]` is the running sum after position i of the block."""
@@ -89,8 +89,8 @@ class RunningSumTarget(Target):
         h, taps, sums = self._apply(RunningSumLM.extend, state.total, tokens, tap_ids)
         return h, taps, state, (sums, start)
 
-    def logits(self, hidden):
-        return self._apply(RunningSumLM.logits, hidden)
+    def logits(self, hidden, head=None):
+        return self._apply(RunningSumLM.logits, hidden, head)
 
     def commit(self, state, pending, kept):
         sums, start = pending

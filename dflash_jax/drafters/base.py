@@ -16,9 +16,12 @@ import dataclasses
 from typing import Any, Optional
 
 import jax
+import numpy as np
 from flax import struct
 
+from dflash_jax import quant
 from dflash_jax import sampling as smp
+from dflash_jax.config import policy
 from dflash_jax.targets.base import Target
 
 
@@ -54,10 +57,30 @@ class ProposeSettings:
 
 
 class Drafter(struct.PyTreeNode, abc.ABC):
-    """A drafter: `config` (static, a census `DrafterConfig`) and `params` (a plain pytree)."""
+    """A drafter: `config` (static, a census `DrafterConfig`), `params` (a plain pytree) and `head`: None, or the
+    copy of the target's LM head that `with_head` made in the drafter's precision, read in place of the target's."""
 
     config: Any = struct.field(pytree_node=False)
     params: dict
+    head: Optional[quant.QWeight] = None
+
+    def with_head(self, target: Target, enabled: Optional[bool] = None, env=None, xp=np) -> "Drafter":
+        """This drafter proposing through its own copy of `target`'s LM head, in the format its precision gives
+        the LM head group (`quant.role_format`: int8, q8_0 or q4_0; bf16 and mixed keep it float, and so make
+        none): the head is read for every draft row each round, so it weighs as much as the drafter's layers.
+        The target still decides every token, so the output does not change; acceptance may. Made when
+        `enabled` (keyword > DFLASH_PROPOSAL_HEAD > on) and the target's head is float; the copy is encoded on
+        the host as `quant.quantize` encodes (`xp=jax.numpy`: on the device, as `quant.quantize_array` says),
+        and placed on the devices the target's head is on."""
+        on, _ = policy.switch("proposal_head", enabled, True, env)
+        fmt = quant.role_format(quant.precision_of(self.params), "lm head")
+        w = target.head_weight()
+        if not on or fmt is None or quant.is_quantized(w):
+            return self.replace(head=None)
+        head = quant.quantize_array(np.asarray(w) if xp is np else w, fmt, dtype=w.dtype, path="proposal head", xp=xp)
+        if len(w.sharding.device_set) > 1:
+            head = jax.device_put(head, w.sharding)
+        return self.replace(head=head)
 
     @property
     def n_drafts(self) -> int:

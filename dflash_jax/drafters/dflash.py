@@ -237,9 +237,9 @@ class DFlashDrafter(Drafter):
 
     def harvest_logits(self, target: Target, h: jax.Array) -> jax.Array:
         """Harvested rows (the census's harvest: rows 1..b-1 for `dflash`, 0..b-1 for `dspark`) ->
-        target LM head -> `* output_multiplier` -> optional softcap (float32)."""
+        target LM head (or the drafter's copy of it, `head`) -> `* output_multiplier` -> optional softcap (float32)."""
         c = self.config
-        logits = target.logits(h[..., c.first_row:, :])
+        logits = target.logits(h[..., c.first_row:, :], self.head)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         if c.final_logit_softcapping:

@@ -50,8 +50,15 @@ class Target(struct.PyTreeNode, abc.ABC):
         """
 
     @abc.abstractmethod
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """The LM head on final-normed hidden states: `[..., H] -> float32[..., V]`."""
+    def logits(self, hidden: jax.Array, head=None) -> jax.Array:
+        """The LM head on final-normed hidden states: `[..., H] -> float32[..., V]`. `head`, an `[H, V]` weight
+        (float or `quant.QWeight`), stands in for the model's own (a drafter's quantised copy of it); what the
+        family does after the product (a softcap) still applies."""
+
+    def head_weight(self):
+        """The LM head as the `[H, V]` weight `logits` multiplies by: `lm_head`, or the embedding's transpose
+        when the two are tied."""
+        return self.params["embed"].T if self.config.tie_word_embeddings else self.params["lm_head"]
 
     @abc.abstractmethod
     def commit(self, state, pending, kept: jax.Array):

@@ -111,10 +111,11 @@ class DenseLM(nn.Module):
     def embed(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embedding, tokens, axis=0)
 
-    def logits(self, h: jax.Array) -> jax.Array:
-        """LM head on final-normed hidden states, in float32."""
-        w = self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head
-        return matmul(h, w, preferred_element_type=jnp.float32)
+    def logits(self, h: jax.Array, head=None) -> jax.Array:
+        """LM head on final-normed hidden states, in float32; `head` (an `[H, V]` weight) in place of the model's."""
+        if head is None:
+            head = self.embedding.T if self.cfg.tie_word_embeddings else self.lm_head
+        return matmul(h, head, preferred_element_type=jnp.float32)
 
     def _norm(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
@@ -193,8 +194,8 @@ class DenseTarget(Target):
         h, taps, state = self._apply(DenseLM.extend, state, tokens, start, tap_ids, impl)
         return h, taps, state, start
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        return self._apply(DenseLM.logits, hidden)
+    def logits(self, hidden: jax.Array, head=None) -> jax.Array:
+        return self._apply(DenseLM.logits, hidden, head)
 
     def commit(self, state: KVCache, pending: jax.Array, kept: jax.Array) -> KVCache:
         return state.replace(seq_len=(pending + kept).astype(jnp.int32))

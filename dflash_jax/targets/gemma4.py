@@ -213,9 +213,10 @@ class Gemma4LM(dense.DenseLM):
         table = self.embedding
         return jnp.take(table, tokens, axis=0) * jnp.asarray(self.cfg.hidden_size ** 0.5, table.dtype)
 
-    def logits(self, h: jax.Array) -> jax.Array:
-        """LM head in float32, then `cap * tanh(logits / cap)` with `final_logit_softcapping`."""
-        logits = super().logits(h)
+    def logits(self, h: jax.Array, head=None) -> jax.Array:
+        """LM head in float32 (`head` as for `DenseLM.logits`), then `cap * tanh(logits / cap)` with
+        `final_logit_softcapping`."""
+        logits = super().logits(h, head)
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
@@ -338,8 +339,8 @@ class Gemma4Target(Target):
         h, taps, state = self._apply(Gemma4LM.extend, state, tokens, start, tap_ids, impl, valid)
         return h, taps, state, start
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        return self._apply(Gemma4LM.logits, hidden)
+    def logits(self, hidden: jax.Array, head=None) -> jax.Array:
+        return self._apply(Gemma4LM.logits, hidden, head)
 
     def commit(self, state: KVCache, pending: jax.Array, kept: jax.Array) -> KVCache:
         return state.replace(seq_len=(pending + kept).astype(jnp.int32))

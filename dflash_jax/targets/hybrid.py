@@ -275,8 +275,8 @@ class HybridTarget(Target):
                valid: Optional[jax.Array] = None):
         return self._apply(HybridLM.extend, state, tokens, start, tap_ids, impl, valid)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        return self._apply(HybridLM.logits, hidden)
+    def logits(self, hidden: jax.Array, head=None) -> jax.Array:
+        return self._apply(HybridLM.logits, hidden, head)
 
     def commit(self, state: HybridState, pending: HybridPending, kept: jax.Array) -> HybridState:
         kept = kept.astype(jnp.int32)
