@@ -10,7 +10,9 @@
   target   plain decoding tokens/s of the target at each `--target-precisions` (default bf16 and int8) and batch
            (`plain_decode.measure`), and each over bf16
 
-The drafter reads logits through the target's LM head, which stays bf16 unless the target is quantised.
+The drafter reads logits through the target's bf16 LM head, or, with `--heads copy` (the library's default for a
+quantised drafter, `Drafter.with_head`), through its own copy of it in the drafter's precision; `--heads copy
+target` times both (a bf16 drafter has no copy, so its one cell is "target").
 Quantised weights are encoded on the device (`quant.quantize_params(..., xp=jnp)`): speed does not depend on the
 values. Each run updates, in the results file, the cells of the parts it ran (keyed by precision and batch) and
 redraws the plot, so the parts can run as separate commands (each under the 10-minute limit on the H200):
@@ -154,28 +156,48 @@ def rank(results: list) -> dict:
     return out
 
 
+def head_variants(target, drafter, heads) -> dict:
+    """`{head: drafter}` for each of `heads` ("copy", "target"), keyed by what the drafter reads: its copy's
+    format, or "target" (a drafter whose precision makes no copy appears once)."""
+    out = {}
+    for head in heads:
+        d = drafter.with_head(target, head == "copy", env={}, xp=jnp)
+        out.setdefault(d.head.fmt if d.head is not None else "target", d)
+    return out
+
+
 def drafter_part(target, drafter, args, counter) -> list:
-    """`spec_round.measure_cell` per drafter precision and batch, reduced to the figures of the issue."""
+    """`spec_round.measure_cell` per drafter precision, LM head and batch, reduced to the figures of the issue."""
     cells = []
     for precision in args.precisions:
-        d = drafter.replace(params=quant.quantize_params(drafter.params, precision, xp=jnp))
-        for batch in args.batches:
-            for prompt in args.prompts:
-                rec = spec_round.measure_cell(target, d, batch, prompt, args, counter)
-                run = min(rec["fused"], key=lambda r: abs(r["tau"] - TAU))
-                cells.append({
-                    "precision": precision, "batch": batch, "prompt": prompt, "drafter_bytes": common.nbytes(d.params),
-                    "draft_s": rec["phases"]["draft_s"], "verify_s": rec["phases"]["verify_s"],
-                    "round_s": rec["round_s"], "plain_step_s": rec["plain_step_s"],
-                    "round_over_plain_step": rec["round_over_plain_step"], "tau": run["tau"],
-                    "tau_measured": run["tau_measured"], "speedup_at_tau_6_5": run["speedup"],
-                    "lossless": all(r["lossless"] for r in rec["fused"]) and rec["real_drafter"]["lossless"],
-                    "no_recompile": rec["no_recompile"]})
-                print(f"drafter {precision:5s} b={batch}: draft {cells[-1]['draft_s'] * 1e3:.3f} ms, round/plain "
-                      f"{rec['round_over_plain_step']:.3f}, speedup at tau {run['tau']} {run['speedup']:.2f}x",
-                      flush=True)
-        del d
+        quantised = drafter.replace(params=quant.quantize_params(drafter.params, precision, xp=jnp))
+        for head, d in head_variants(target, quantised, args.heads).items():
+            for batch in args.batches:
+                for prompt in args.prompts:
+                    cells.append(drafter_cell(target, d, precision, head, batch, prompt, args, counter))
     return cells
+
+
+def drafter_cell(target, d, precision: str, head: str, batch: int, prompt: int, args, counter) -> dict:
+    """One drafter cell: the round's figures at `precision` with the drafter reading `head`."""
+    rec = spec_round.measure_cell(target, d, batch, prompt, args, counter)
+    run = min(rec["fused"], key=lambda r: abs(r["tau"] - TAU))
+    cell = {"precision": precision, "head": head, "batch": batch, "prompt": prompt,
+            "drafter_bytes": common.nbytes(d.params), "head_bytes": d.head.nbytes if d.head is not None else 0,
+            "draft_s": rec["phases"]["draft_s"], "verify_s": rec["phases"]["verify_s"],
+            "round_s": rec["round_s"], "plain_step_s": rec["plain_step_s"],
+            "round_over_plain_step": rec["round_over_plain_step"], "tau": run["tau"],
+            "tau_measured": run["tau_measured"], "speedup_at_tau_6_5": run["speedup"],
+            "lossless": all(r["lossless"] for r in rec["fused"]) and rec["real_drafter"]["lossless"],
+            "no_recompile": rec["no_recompile"]}
+    print(f"drafter {precision:5s} head {head:6s} b={batch}: draft {cell['draft_s'] * 1e3:.3f} ms, round/plain "
+          f"{rec['round_over_plain_step']:.3f}, speedup at tau {run['tau']} {run['speedup']:.2f}x", flush=True)
+    return cell
+
+
+def label(cell: dict) -> str:
+    """A drafter cell's name in the summary and the plot: its precision, "+head" where it read its own copy."""
+    return cell["precision"] + ("" if cell.get("head", "target") == "target" else "+head")
 
 
 def target_part(target, args) -> list:
@@ -205,8 +227,9 @@ def summarise(payload: dict) -> dict:
     and the int8 target's plain tokens/s over bf16, per batch."""
     out = {}
     for c in payload.get("drafter_round", {}).get("cells", []):
-        out[f"{c['precision']}_b{c['batch']}_round_over_plain_step"] = c["round_over_plain_step"]
-        out[f"{c['precision']}_b{c['batch']}_speedup_at_tau_6_5"] = c["speedup_at_tau_6_5"]
+        name = label(c).replace("+head", "_head_copy")
+        out[f"{name}_b{c['batch']}_round_over_plain_step"] = c["round_over_plain_step"]
+        out[f"{name}_b{c['batch']}_speedup_at_tau_6_5"] = c["speedup_at_tau_6_5"]
     for c in payload.get("target_plain", {}).get("cells", []):
         if c["precision"] != "bf16" and c["over_bf16"] is not None:
             out[f"target_{c['precision']}_b{c['batch']}_tokens_per_s_over_bf16"] = c["over_bf16"]
@@ -227,17 +250,19 @@ def plot(payload: dict, path: str) -> None:
               (axes[2], target, "over_bf16", "plain tokens/s over bf16 (target precision)"))
     for ax, cells, key, title in panels:
         batches = sorted({c["batch"] for c in cells})
-        precisions = list(dict.fromkeys(c["precision"] for c in cells))
+        name = label if cells is drafter else (lambda c: c["precision"])
+        precisions = list(dict.fromkeys(name(c) for c in cells))
         width = 0.8 / max(len(batches), 1)
         for i, b in enumerate(batches):
-            values = [next((c[key] or 0.0 for c in cells if c["precision"] == p and c["batch"] == b), 0.0)
+            values = [next((c[key] or 0.0 for c in cells if name(c) == p and c["batch"] == b), 0.0)
                       for p in precisions]
             ax.bar(np.arange(len(precisions)) + i * width, values, width, label=f"batch {b}")
             for x, v in zip(np.arange(len(precisions)) + i * width, values):
                 ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(np.arange(len(precisions)) + width * (len(batches) - 1) / 2, precisions)
         ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=8)
+        if cells:
+            ax.legend(fontsize=8)
     fig.suptitle(f"weight precision, {payload.get('model', '')} on {payload['device']} (jax {payload['jax_version']})",
                  fontsize=9)
     fig.tight_layout()
@@ -251,6 +276,9 @@ def parse_args(argv):
     ap.add_argument("--precisions", nargs="+", default=["bf16", "q8_0", "q4_0"], choices=list(policy.PRECISIONS),
                     help="drafter precisions")
     ap.add_argument("--target-precisions", nargs="+", default=["bf16", "int8"], choices=list(policy.PRECISIONS))
+    ap.add_argument("--heads", nargs="+", default=["copy"], choices=["copy", "target"],
+                    help="drafter part: the LM head a quantised drafter reads: its own copy in its precision (the "
+                         "library's default) or the target's")
     ap.add_argument("--quant-impl", default=None, choices=list(qmm.IMPLS),
                     help="quantised product of the drafter and target parts on the GPU (default: quant_matmul's)")
     ap.add_argument("--sweep", action="store_true",
@@ -302,8 +330,9 @@ def main(argv=None):
         common.write_json(f"{name}.json", {**payload, "summary": summarise(payload)}, out_dir)
     if "drafter" in args.parts:
         cells = drafter_part(target, drafter, args, acc.CompileCounter())
-        payload["drafter_round"] = {"cells": merge(previous.get("drafter_round", {}).get("cells", []), cells,
-                                                   ("precision", "batch", "prompt"))}
+        # cells from before the head column read the target's head
+        earlier = [{"head": "target", **c} for c in previous.get("drafter_round", {}).get("cells", [])]
+        payload["drafter_round"] = {"cells": merge(earlier, cells, ("precision", "head", "batch", "prompt"))}
     payload["summary"] = summarise(payload)
     common.write_json(f"{name}.json", payload, out_dir)
     plot(payload, os.path.join(out_dir, f"{name}.png"))
