@@ -14,8 +14,8 @@ The drafter reads logits through the target's bf16 LM head, or, with `--heads co
 quantised drafter, `Drafter.with_head`), through its own copy of it in the drafter's precision; `--heads copy
 target` times both (a bf16 drafter has no copy, so its one cell is "target").
 Quantised weights are encoded on the device (`quant.quantize_params(..., xp=jnp)`): speed does not depend on the
-values. Each run updates, in the results file, the cells of the parts it ran (keyed by precision and batch) and
-redraws the plot, so the parts can run as separate commands (each under the 10-minute limit on the H200):
+values. Each run updates, in the results file, the cells of the parts it ran (keyed by precision, head and
+batch) and redraws the plot, so the parts can run as separate commands (each under the 10-minute limit on the H200):
 
     python bench/quant.py --parts kernel target                  # H200
     python bench/quant.py --parts drafter --precisions bf16 q8_0
