@@ -445,6 +445,10 @@ def test_a_quantised_drafter_proposes_through_its_own_copy_of_the_targets_head_a
     assert np.abs(got - np.asarray(drafter.harvest_logits(target, h))).max() > 1e-4, "the target's head was read"
     out = dflash_jax.generate(target, headed, PROMPTS, max_new_tokens=MAX_NEW)
     assert out.tokens == plain, f"{precision} drafter with its head copy: speculative output differs from plain"
+    for batch, rows, copy in ((4, 17, True), (5, 16, False)):  # 64 draft rows read the copy in place, 75 cannot
+        wide = jax.random.normal(jax.random.PRNGKey(batch), (batch, rows, target.config.hidden_size), jnp.float32)
+        same = np.array_equal(headed.harvest_logits(target, wide), drafter.harvest_logits(target, wide))
+        assert same != copy, f"{batch * (rows - 1)} draft rows should read the {'copy' if copy else 'target head'}"
 
 
 def test_no_head_copy_is_made_for_a_float_head_or_when_switched_off(target, monkeypatch):

@@ -15,6 +15,7 @@ T > 0, which draws each slot independently from its filtered distribution (dense
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Optional
 
 import chex
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from dflash_jax import quant
 from dflash_jax import sampling as smp
 from dflash_jax.cache import KVCache, init_kv, write_rows
 from dflash_jax.config import DrafterConfig
@@ -236,10 +238,14 @@ class DFlashDrafter(Drafter):
         return x * jnp.asarray(c.input_embedding_scale, x.dtype) if c.input_embedding_scale != 1.0 else x
 
     def harvest_logits(self, target: Target, h: jax.Array) -> jax.Array:
-        """Harvested rows (the census's harvest: rows 1..b-1 for `dflash`, 0..b-1 for `dspark`) ->
-        target LM head (or the drafter's copy of it, `head`) -> `* output_multiplier` -> optional softcap (float32)."""
+        """Harvested rows (the census's harvest: rows 1..b-1 for `dflash`, 0..b-1 for `dspark`) -> target LM head
+        -> `* output_multiplier` -> optional softcap (float32). The head is the drafter's copy (`head`) when it has
+        one and the rows are few enough for the quantised product to read it in place (`quant.reads_in_place`:
+        up to 64, so batches up to 4 at block 16), else the target's."""
         c = self.config
-        logits = target.logits(h[..., c.first_row:, :], self.head)
+        rows = h[..., c.first_row:, :]
+        in_place = self.head is not None and quant.reads_in_place(self.head, math.prod(rows.shape[:-1]))
+        logits = target.logits(rows, self.head if in_place else None)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         if c.final_logit_softcapping:
