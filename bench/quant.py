@@ -159,7 +159,7 @@ def rank(results: list) -> dict:
 def head_variants(target, drafter, heads) -> dict:
     """`{head: drafter}` for each of `heads` ("copy", "target"), keyed by what the drafter holds: its copy's
     format, or "target" (a drafter whose precision makes no copy appears once). A cell's `head_read` says what
-    its proposals read: past 64 draft rows a drafter reads the target's head (`quant.reads_in_place`)."""
+    its proposals read: past 64 draft rows a drafter reads the target's head (`Drafter.reads_head_copy`)."""
     out = {}
     for head in heads:
         d = drafter.with_head(target, head == "copy", env={}, xp=jnp)
@@ -183,8 +183,8 @@ def drafter_cell(target, d, precision: str, head: str, batch: int, prompt: int, 
     """One drafter cell: the round's figures at `precision` with the drafter reading `head`."""
     rec = spec_round.measure_cell(target, d, batch, prompt, args, counter)
     run = min(rec["fused"], key=lambda r: abs(r["tau"] - TAU))
-    in_place = d.head is not None and quant.reads_in_place(d.head, batch * d.n_drafts)
-    cell = {"precision": precision, "head": head, "head_read": head if in_place else "target",
+    read = head if d.reads_head_copy(batch * d.n_drafts) else "target"
+    cell = {"precision": precision, "head": head, "head_read": read,
             "batch": batch, "prompt": prompt,
             "drafter_bytes": common.nbytes(d.params), "head_bytes": d.head.nbytes if d.head is not None else 0,
             "draft_s": rec["phases"]["draft_s"], "verify_s": rec["phases"]["verify_s"],

@@ -103,13 +103,6 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
                             out_dtype=preferred_element_type or compute, impl=qmm.default_impl())
 
 
-def reads_in_place(w: QWeight, rows: int) -> bool:
-    """Whether a product of `rows` rows by `w` reads its packed values in place: the kernels take up to
-    `quant_matmul.MAX_ROWS` rows; past that the reference expands the whole weight first, moving more bytes than
-    the float weight would."""
-    return rows <= qmm.MAX_ROWS and qmm.kernel_fits(*w.shape)
-
-
 # ---------------------------------------------------------------------------------------
 # Encoding: the original's q8_0 and q4_0 (`encode_q8_0`, `encode_q4_0`), and int8 per output channel.
 

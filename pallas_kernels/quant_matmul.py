@@ -139,7 +139,7 @@ def quant_matmul(x, data, scales, fmt: str, *, out_dtype=None, compute_dtype=Non
         impl = choose(fmt, rows, k, n)
     if impl == "reduce":
         return _column_reduction(x.astype(compute), data, scales, out)
-    if impl == "xla" or rows > MAX_ROWS or not kernel_fits(k, n):
+    if impl == "xla" or not kernel_takes(rows, k, n):
         return _reference(x, data, scales, fmt, compute, out)
     kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute), interpret)
     y = kernel(x.reshape(rows, k), data, scales)
@@ -150,6 +150,12 @@ def choose(fmt: str, rows: int, k: int, n: int) -> str:
     """`impl="auto"`'s form (module docstring): "reduce" (the column reduction) or "pallas" (the kernel for the row
     count)."""
     return "reduce" if fmt == "int8" and rows == 1 and k * n >= REDUCE_MIN_ELEMENTS else "pallas"
+
+
+def kernel_takes(rows: int, k: int, n: int) -> bool:
+    """Whether the kernels take a product of `rows` rows by a `[K, N]` weight, reading it packed in place; the
+    reference instead expands the whole weight first, more bytes than the float weight would move."""
+    return rows <= MAX_ROWS and kernel_fits(k, n)
 
 
 def kernel_fits(k: int, n: int) -> bool:

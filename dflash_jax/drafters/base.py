@@ -23,6 +23,7 @@ from dflash_jax import quant
 from dflash_jax import sampling as smp
 from dflash_jax.config import policy
 from dflash_jax.targets.base import Target
+from pallas_kernels import quant_matmul as qmm
 
 
 @struct.dataclass
@@ -77,10 +78,16 @@ class Drafter(struct.PyTreeNode, abc.ABC):
         w = target.head_weight()
         if not on or fmt is None or quant.is_quantized(w):
             return self.replace(head=None)
-        head = quant.quantize_array(np.asarray(w) if xp is np else w, fmt, dtype=w.dtype, path="proposal head", xp=xp)
+        head = quant.quantize_array(w, fmt, path="proposal head", xp=xp)
         if len(w.sharding.device_set) > 1:
             head = jax.device_put(head, w.sharding)
         return self.replace(head=head)
+
+    def reads_head_copy(self, rows: int) -> bool:
+        """Whether `rows` draft rows go through the drafter's copy of the head: it has one, and the quantised
+        kernels take that many rows (`quant_matmul.kernel_takes`: up to 64, batch 4 at block 16); past them the
+        product would expand the whole copy first, so wider batches read the target's head."""
+        return self.head is not None and qmm.kernel_takes(rows, *self.head.shape)
 
     @property
     def n_drafts(self) -> int:

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from dflash_jax import quant
 from dflash_jax import sampling as smp
 from dflash_jax.cache import KVCache, init_kv, write_rows
 from dflash_jax.config import DrafterConfig
@@ -239,13 +238,11 @@ class DFlashDrafter(Drafter):
 
     def harvest_logits(self, target: Target, h: jax.Array) -> jax.Array:
         """Harvested rows (the census's harvest: rows 1..b-1 for `dflash`, 0..b-1 for `dspark`) -> target LM head
-        -> `* output_multiplier` -> optional softcap (float32). The head is the drafter's copy (`head`) when it has
-        one and the rows are few enough for the quantised product to read it in place (`quant.reads_in_place`:
-        up to 64, so batches up to 4 at block 16), else the target's."""
+        -> `* output_multiplier` -> optional softcap (float32). The head is the drafter's copy where
+        `reads_head_copy` says so, else the target's."""
         c = self.config
         rows = h[..., c.first_row:, :]
-        in_place = self.head is not None and quant.reads_in_place(self.head, math.prod(rows.shape[:-1]))
-        logits = target.logits(rows, self.head if in_place else None)
+        logits = target.logits(rows, self.head if self.reads_head_copy(math.prod(rows.shape[:-1])) else None)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         if c.final_logit_softcapping:
