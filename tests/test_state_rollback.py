@@ -102,13 +102,6 @@ class RunningSumTarget(Target):
         return h, taps
 
 
-@dataclasses.dataclass(frozen=True)
-class WholeBlockConfig(RunningSumConfig):
-    """The wrong rollback's own config type. JAX compares the trees of two dataclass pytree classes with the same
-    fields by their static values, not their classes (their hashes differ), so with `toy`'s config a compiled-loop
-    cache could take WholeBlockCommit for RunningSumTarget and run the sound commit: CI saw that once."""
-
-
 class WholeBlockCommit(RunningSumTarget):
     """A wrong rollback for the teeth test: keeps the sum of the whole verify block."""
 
@@ -158,11 +151,24 @@ def test_speculative_decoding_of_a_running_sum_target_equals_its_plain_decoding(
 
 
 def test_a_commit_that_keeps_the_whole_block_breaks_speculative_decoding(toy, drafter, plain):
-    broken = WholeBlockCommit(WholeBlockConfig(), toy.params)
-    assert jax.tree_util.tree_structure(broken) != jax.tree_util.tree_structure(toy)
+    broken = WholeBlockCommit(toy.config, toy.params)
+    assert jax.tree_util.tree_structure(broken) != jax.tree_util.tree_structure(toy), \
+        "with the same config, only the class in the tree (Target.node_type) keeps the sound loop's program away"
     nd = drafter.n_drafts
     out = dflash_jax.Session(broken, drafter, PROMPTS, max_new_tokens=MAX_NEW,
                              inject=inject_reference(plain, MAX_NEW, nd)).run()
     assert dflash_jax.generate(broken, None, PROMPTS, max_new_tokens=MAX_NEW).tokens == plain, \
         "plain decoding commits one token at a time, so the wrong commit cannot show there"
     assert out.tokens != plain, "keeping rejected drafts in the state must change the output"
+
+
+def test_subclasses_with_their_parents_config_keep_their_own_tree_structures(toy, drafter):
+    """Target and Drafter hold their class (`node_type`), so JAX's caches never take one for the other."""
+    class Twin(type(drafter)):
+        pass
+
+    twin = Twin(drafter.config, drafter.params)
+    assert twin.node_type is Twin and drafter.node_type is type(drafter)
+    assert jax.tree_util.tree_structure(twin) != jax.tree_util.tree_structure(drafter)
+    rebuilt = jax.tree_util.tree_map(lambda a: a, WholeBlockCommit(toy.config, toy.params))
+    assert type(rebuilt) is rebuilt.node_type is WholeBlockCommit
