@@ -109,4 +109,3 @@ def keep_class_in_tree(node) -> None:
     equal config could be handed the compiled programs of its parent, as CI once saw a test's wrong rollback run
     with its sound parent's loop. A static field holding the class keeps the two trees, and their programs, apart."""
     object.__setattr__(node, "node_type", type(node))
-
