@@ -1,7 +1,14 @@
-"""The layout keeps its promises (docs/architecture.md, "Layout"): no import cycles, and the decoding
-loops import the Target and Drafter interfaces, never a family module."""
+"""The layout keeps its promises (docs/architecture.md, "Layout"): no import cycles, the decoding loops import
+the Target and Drafter interfaces, never a family module, and no two pytree classes share a tree structure."""
 import ast
+import collections
+import dataclasses
+import importlib
+import inspect
 import pathlib
+
+import jax
+from flax import struct
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("dflash_jax", "pallas_kernels")  # the kernels too: one importing the library closed a cycle once
@@ -79,3 +86,47 @@ def test_decoding_imports_only_the_interfaces():
     for module, imports in graph.items():
         if module.startswith("dflash_jax.decoding"):
             assert not imports & families, f"{module} imports family modules {sorted(imports & families)}"
+
+
+def pytree_dataclasses() -> list:
+    """Every pytree dataclass of the packages (flax's `struct.dataclass` and `PyTreeNode` mark theirs)."""
+    out = set()
+    for name in _modules():
+        if name.endswith("__main__"):  # it would run the command line
+            continue
+        for obj in vars(importlib.import_module(name)).values():
+            if inspect.isclass(obj) and obj.__module__.startswith(PACKAGES) and getattr(obj, "_flax_dataclass", False):
+                out.add(obj)
+    return sorted(out, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+
+
+def shared_layouts(classes) -> list:
+    """Groups of classes with the same fields (names, and which are static) that do not keep their class in a static
+    `node_type` field: JAX compares their tree structures by the static values alone, so their instances may be
+    taken for one another by compiled-program caches (docs/architecture.md, "The Target interface")."""
+    groups = collections.defaultdict(list)
+    for cls in classes:
+        fields = tuple((f.name, f.metadata.get("pytree_node", True)) for f in dataclasses.fields(cls))
+        if ("node_type", False) not in fields:
+            groups[fields].append(cls.__name__)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def test_no_two_pytree_classes_share_a_tree_structure():
+    classes = pytree_dataclasses()
+    names = {c.__name__ for c in classes}
+    assert {"DenseTarget", "HybridTarget", "DFlashDrafter", "DSparkDrafter", "KVCache", "OneHotQ"} <= names
+    assert shared_layouts(classes) == []
+
+    @struct.dataclass
+    class PlantedTwin:
+        config: int = struct.field(pytree_node=False)
+        params: dict
+
+    @struct.dataclass
+    class PlantedOther:
+        config: int = struct.field(pytree_node=False)
+        params: dict
+
+    assert jax.tree_util.tree_structure(PlantedTwin(1, {})) == jax.tree_util.tree_structure(PlantedOther(1, {}))
+    assert shared_layouts([*classes, PlantedTwin, PlantedOther]) == [["PlantedTwin", "PlantedOther"]]
