@@ -22,19 +22,17 @@ model's, bf16 or float32) and multiply on the tensor cores; the GEMV keeps it in
 - `impl="xla"`, the reference: dequantise the whole weight (int8: convert it), then one `jnp.matmul`. XLA fuses
   int8's convert into its product (on the H200 it reads the int8 values: `bench/results/quant_probe.json`), but
   not the block formats' scaling, whose weight it writes out dequantised first.
-- `impl="pallas"` (Triton lowering), for 1 to `MAX_ROWS` rows (64 for int8, 256 for the block formats), reads
-  the packed tiles and expands them in registers. Grid (row tile, column tile, K split): each program walks its
-  share of K in tiles of `block_k` (a multiple of 32, so a tile holds whole blocks), and the K splits (enough
-  programs to fill the GPU when N is small) are summed afterwards in a fixed order. One row takes a GEMV:
-  multiply-adds into a `[block_k, bn]` float32 accumulator and one sum over K at the end, as a tensor-core tile
-  of 16 rows would waste 15 of them. More rows take the product kernel: a `[bm, bn]` accumulator on the tensor
-  cores. For q4_0, x's columns are first split into the low and high halves of each block (`[2, M, K/2]`), so
-  the two nibble planes of a packed tile each meet their own half of x and nothing is interleaved in registers.
-  Past `ROW_TILE` rows (a drafter's 240 at batch 16) the row tiles of one column tile are neighbours in the
-  grid, so the others may find the packed tile in the L2 cache. More rows than `MAX_ROWS` (prefill) are a
-  compute-bound GEMM and take the reference, as do weights whose N has no power-of-two factor of 16. A GEMV's K
-  walk is straight-line code (`Tiles.unroll`): a layer's weight is read in a few microseconds, a handful of
-  memory latencies, so every tile's load must be in flight before the arithmetic waits on the first.
+- `impl="pallas"` (Triton lowering), for 1 to `MAX_ROWS` rows, reads the packed tiles and expands them in
+  registers. Grid (row tile, column tile, K split): each program walks its share of K in tiles of `block_k` (a
+  multiple of 32, so a tile holds whole blocks), and the K splits (enough programs to fill the GPU when N is
+  small) are summed afterwards in a fixed order. One row takes a GEMV: multiply-adds into a `[block_k, bn]`
+  float32 accumulator and one sum over K at the end, as a tensor-core tile of 16 rows would waste 15 of them.
+  More rows take the product kernel: a `[bm, bn]` accumulator on the tensor cores. For q4_0, x's columns are
+  first split into the low and high halves of each block (`[2, M, K/2]`), so the two nibble planes of a packed
+  tile each meet their own half of x and nothing is interleaved in registers. More rows than `MAX_ROWS`
+  (prefill) are a compute-bound GEMM and take the reference, as do weights whose N has no power-of-two factor
+  of 16. A GEMV's K walk is straight-line code (`Tiles.unroll`): a layer's weight is read in a few microseconds,
+  a handful of memory latencies, so every tile's load must be in flight before the arithmetic waits on the first.
 - `impl="auto"`, the GPU default: the form measured fastest (`choose`). One int8 row through the LM head
   (`REDUCE_MIN_ELEMENTS`) takes `sum(x[:, None] * q, 0) * s`, which XLA fuses into one column reduction over the
   int8 values; everything else takes the kernel as above.
@@ -71,12 +69,10 @@ REDUCE_MIN_ELEMENTS = 1 << 28
 in the step against the product kernel's 215 at 16 rows, whose column tile its vocabulary's factor 32 caps), not a
 layer's weights (w_gate_up, 101M, is the largest)."""
 
-ROW_TILE = 64
-"""The product kernel's largest row tile: more rows take several."""
-MAX_ROWS = {"int8": 64, "q8_0": 256, "q4_0": 256}
-"""The most rows the kernels take, per format; more run the reference. Past 64 rows an int8 weight's reference
-reads it in place too (XLA fuses the convert into a GEMM tuned for the shape); the block formats' would expand
-the whole weight first, so their kernels take a batch of 16 blocks of 16."""
+MAX_ROWS = 64
+"""The most rows the kernels take; more run the reference. Row tiles of 64 past it lost to the reference on an H100
+(bench/results/quant_drafter_b16_rows_h100.json): at 240 rows, each tile expanding the same packed tiles again, q8_0's
+w_gate_up took 387 us against the reference's 252 (bf16: 106), its LM head 1,868 against 1,351 (bf16: 476)."""
 
 
 class Tiles(NamedTuple):
@@ -146,7 +142,7 @@ def quant_matmul(x, data, scales, fmt: str, *, out_dtype=None, compute_dtype=Non
         impl = choose(fmt, rows, k, n)
     if impl == "reduce":
         return _column_reduction(x.astype(compute), data, scales, out)
-    if impl == "xla" or not kernel_takes(fmt, rows, k, n):
+    if impl == "xla" or not kernel_takes(rows, k, n):
         return _reference(x, data, scales, fmt, compute, out)
     kernel = where_lowered(functools.partial(_pallas_matmul, fmt=fmt, compute=compute), interpret)
     y = kernel(x.reshape(rows, k), data, scales)
@@ -159,11 +155,10 @@ def choose(fmt: str, rows: int, k: int, n: int) -> str:
     return "reduce" if fmt == "int8" and rows == 1 and k * n >= REDUCE_MIN_ELEMENTS else "pallas"
 
 
-def kernel_takes(fmt: str, rows: int, k: int, n: int) -> bool:
-    """Whether the kernels take a product of `rows` rows by a `[K, N]` weight in `fmt`, reading it packed in
-    place; a block format's reference instead expands the whole weight first, more bytes than the float weight
-    would move."""
-    return rows <= MAX_ROWS[fmt] and kernel_fits(k, n)
+def kernel_takes(rows: int, k: int, n: int) -> bool:
+    """Whether the kernels take a product of `rows` rows by a `[K, N]` weight, reading it packed in place; the
+    reference instead expands the whole weight first, more bytes than the float weight would move."""
+    return rows <= MAX_ROWS and kernel_fits(k, n)
 
 
 def kernel_fits(k: int, n: int) -> bool:
@@ -285,7 +280,7 @@ def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, block_k: int, steps: i
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, fmt: str, compute, block_k: int, steps: int, unroll: bool,
             evict: bool):
-    """Rows 2 to `MAX_ROWS[fmt]`: (row tile, column tile, K split) walks `steps` tiles of `block_k` inputs (a loop,
+    """Rows 2 to `MAX_ROWS`: (row tile, column tile, K split) walks `steps` tiles of `block_k` inputs (a loop,
     or straight-line code when `unroll`), each dequantised tile rounded to the compute dtype and multiplied on the
     tensor cores, float32 accumulation.
 
@@ -326,15 +321,15 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
     """Pick the GEMV (one row) or the product kernel, split K until the grid is full, run it, sum the splits.
 
     Tiles (`tiles`, default `GEMV_TILES` or `DOT_TILES`): rows `bm` = the next power of two >= M (16 at least,
-    `ROW_TILE` at most; 1 for the GEMV); columns the largest power of two <= block_n dividing N; K the largest
+    `MAX_ROWS` at most; 1 for the GEMV); columns the largest power of two <= block_n dividing N; K the largest
     power of two <= block_k dividing K (for the block formats at least a block: a multiple of 32). The split count
-    depends on K, N and the tiles only, not on the row tiles, so a row's result does not depend on how many rows
-    came with it beyond which kernel runs."""
+    depends on K, N and the tiles only, so a row's result does not depend on how many rows came with it beyond which
+    kernel runs."""
     m, k = x.shape
     n = data.shape[1]
     gemv = m == 1
     tiles = tiles or (GEMV_TILES if gemv else DOT_TILES)
-    bm = 1 if gemv else min(ROW_TILE, max(16, pl.next_power_of_2(m)))
+    bm = 1 if gemv else min(MAX_ROWS, max(16, pl.next_power_of_2(m)))
     bn = min(n & -n, tiles.block_n)
     bk = min(k & -k, tiles.block_k if fmt == "int8" else max(BLOCK, tiles.block_k))
     if (fmt != "int8" and bk % BLOCK) or bn < 16:
@@ -344,7 +339,7 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
     k_tiles = k // bk
     m_tiles, n_tiles = -(-m // bm), n // bn
     if k_splits is None:
-        k_splits = _largest_divisor(k_tiles, -(-tiles.programs // n_tiles))
+        k_splits = _largest_divisor(k_tiles, -(-tiles.programs // (n_tiles * m_tiles)))
     if k_tiles % k_splits:
         raise ValueError(f"quant_matmul: k_splits={k_splits} does not divide the {k_tiles} K tiles of {bk}.")
     ks = k // k_splits

@@ -1,7 +1,6 @@
 """Weight precision (docs/architecture.md, "Weight precision"): the original's q8_0 and q4_0 and int8 per channel,
 the dequantising product and its kernel, quantisation at load, save and reload, and what stays lossless."""
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -188,8 +187,7 @@ def _random_packed(rng, k: int, n: int, fmt: str):
 
 @pytest.mark.parametrize("fmt", qmm.FORMATS)
 @pytest.mark.parametrize("m, k, n, dtype", [(1, 64, 48, jnp.float32), (5, 96, 16, jnp.float32),
-                                            (16, 256, 128, jnp.bfloat16), (40, 64, 32, jnp.bfloat16),
-                                            (80, 64, 32, jnp.bfloat16)])
+                                            (16, 256, 128, jnp.bfloat16), (40, 64, 32, jnp.bfloat16)])
 def test_kernel_equals_the_reference_in_interpret_mode(fmt, m, k, n, dtype):
     rng = np.random.RandomState(m + k)
     data, scales = _random_packed(rng, k, n, fmt)
@@ -204,11 +202,10 @@ def test_kernel_equals_the_reference_in_interpret_mode(fmt, m, k, n, dtype):
 
 
 @pytest.mark.parametrize("fmt", qmm.FORMATS)
-@pytest.mark.parametrize("m", [1, 16, qmm.ROW_TILE + 16])
+@pytest.mark.parametrize("m", [1, 16])
 def test_kernel_tiles_and_k_splits_sum_the_same_and_rows_do_not_affect_each_other(fmt, m):
     """The GEMV (one row) and the product kernel (more) give the same sums at any tiles and K split, and a
-    row's result does not depend on the rows that came with it through the same kernel, in its own row tile or
-    past the first."""
+    row's result does not depend on the rows that came with it through the same kernel."""
     rng = np.random.RandomState(3)
     data, scales = _random_packed(rng, 256, 64, fmt)
     x = jnp.asarray(rng.randn(m, 256), jnp.float32)
@@ -222,8 +219,6 @@ def test_kernel_tiles_and_k_splits_sum_the_same_and_rows_do_not_affect_each_othe
     np.testing.assert_allclose(np.asarray(whole), want, rtol=1e-5, atol=1e-5)
     if m > 1:
         assert np.array_equal(np.asarray(run(x[:3])), np.asarray(run(x))[:3]), "a row's result depends on its company"
-        few = functools.partial(run, programs=2)  # K splits in 2 whether or not the rows fill more row tiles
-        assert np.array_equal(np.asarray(few(x[-3:])), np.asarray(few(x))[-3:]), "a row's result depends on its tile"
     with pytest.raises(ValueError, match="k_splits=3 does not divide the 8 K tiles"):
         run(x, block_k=32, k_splits=3)
 
@@ -284,13 +279,10 @@ def test_rows_past_the_kernel_and_untileable_widths_take_the_reference():
     assert not qmm.kernel_fits(64, 24) and qmm.kernel_fits(64, 48)
     assert np.array_equal(np.asarray(qmm.quant_matmul(x, data, scales, "int8", impl="pallas", interpret=True)),
                           np.asarray(qmm.quant_matmul(x, data, scales, "int8")))
-    for fmt in qmm.FORMATS:
-        data, scales = _random_packed(rng, 64, 32, fmt)
-        looped = lambda m: "stablehlo.while" in jax.jit(  # the interpreted kernel walks its grid; the reference cannot
-            lambda a: qmm.quant_matmul(a, data, scales, fmt, impl="pallas")).lower(jnp.zeros((m, 64))).as_text()
-        assert looped(qmm.MAX_ROWS[fmt]), f"{fmt}: {qmm.MAX_ROWS[fmt]} rows did not take the kernel"
-        assert not looped(qmm.MAX_ROWS[fmt] + 1), f"{fmt}: rows past the kernel took it"
-    assert qmm.MAX_ROWS["int8"] == qmm.ROW_TILE < qmm.MAX_ROWS["q8_0"] == qmm.MAX_ROWS["q4_0"]
+    big = jnp.asarray(rng.randn(qmm.MAX_ROWS + 1, 64), jnp.float32)
+    data, scales = _random_packed(rng, 64, 32, "int8")
+    text = jax.jit(lambda a: qmm.quant_matmul(a, data, scales, "int8", impl="pallas")).lower(big).as_text()
+    assert "pallas" not in text and "interpret" not in text.lower()
 
 
 @pytest.mark.parametrize("args, match", [
@@ -453,8 +445,7 @@ def test_a_quantised_drafter_proposes_through_its_own_copy_of_the_targets_head_a
     assert np.abs(got - np.asarray(drafter.harvest_logits(target, h))).max() > 1e-4, "the target's head was read"
     out = dflash_jax.generate(target, headed, PROMPTS, max_new_tokens=MAX_NEW)
     assert out.tokens == plain, f"{precision} drafter with its head copy: speculative output differs from plain"
-    fit = qmm.MAX_ROWS[precision] // 4  # batch 4 of fit + 1 rows: the most draft rows the kernels take; 5 cannot
-    for batch, rows, copy in ((4, fit + 1, True), (5, fit, False)):
+    for batch, rows, copy in ((4, 17, True), (5, 16, False)):  # 64 draft rows read the copy in place, 75 cannot
         wide = jax.random.normal(jax.random.PRNGKey(batch), (batch, rows, target.config.hidden_size), jnp.float32)
         same = np.array_equal(headed.harvest_logits(target, wide), drafter.harvest_logits(target, wide))
         assert same != copy, f"{batch * (rows - 1)} draft rows should read the {'copy' if copy else 'target head'}"

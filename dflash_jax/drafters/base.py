@@ -90,10 +90,9 @@ class Drafter(struct.PyTreeNode, abc.ABC):
 
     def reads_head_copy(self, rows: int) -> bool:
         """Whether `rows` draft rows go through the drafter's copy of the head: it has one, and the quantised
-        kernels take that many rows (`quant_matmul.kernel_takes`: 256 for q8_0 and q4_0, batch 17 at block 16;
-        64 for int8); past them the product takes the reference (a block format's expands the whole copy first),
-        so wider batches read the target's head."""
-        return self.head is not None and qmm.kernel_takes(self.head.fmt, rows, *self.head.shape)
+        kernels take that many rows (`quant_matmul.kernel_takes`: up to 64, batch 4 at block 16); past them the
+        product would expand the whole copy first, so wider batches read the target's head."""
+        return self.head is not None and qmm.kernel_takes(rows, *self.head.shape)
 
     @property
     def n_drafts(self) -> int:
