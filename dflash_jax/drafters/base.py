@@ -22,7 +22,7 @@ from flax import struct
 from dflash_jax import quant
 from dflash_jax import sampling as smp
 from dflash_jax.config import policy
-from dflash_jax.targets.base import Target, keep_class_in_tree
+from dflash_jax.targets.base import ClassKeyedNode, Target
 from pallas_kernels import quant_matmul as qmm
 
 
@@ -57,18 +57,13 @@ class ProposeSettings:
     verify_cap: int
 
 
-class Drafter(struct.PyTreeNode, abc.ABC):
+class Drafter(ClassKeyedNode, abc.ABC):
     """A drafter: `config` (static, a census `DrafterConfig`), `params` (a plain pytree) and `head`: None, or the
-    copy of the target's LM head that `with_head` made in the drafter's precision, read in place of the target's.
-    `node_type` is set to the instance's class (`targets.base.keep_class_in_tree`)."""
+    copy of the target's LM head that `with_head` made in the drafter's precision, read in place of the target's."""
 
     config: Any = struct.field(pytree_node=False)
     params: dict
     head: Optional[quant.QWeight] = None
-    node_type: Any = struct.field(pytree_node=False, default=None, kw_only=True, repr=False)
-
-    def __post_init__(self):
-        keep_class_in_tree(self)
 
     def with_head(self, target: Target, enabled: Optional[bool] = None, env=None, xp=np) -> "Drafter":
         """This drafter proposing through its own copy of `target`'s LM head, in the format its precision gives

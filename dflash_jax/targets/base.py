@@ -22,16 +22,24 @@ import numpy as np
 from flax import struct
 
 
-class Target(struct.PyTreeNode, abc.ABC):
-    """A target model: `config` (static, hashable) and `params` (a plain pytree of arrays). `node_type` is set to
-    the instance's class (`keep_class_in_tree`)."""
+class ClassKeyedNode(struct.PyTreeNode):
+    """A pytree node whose tree structure names its class: `node_type`, a static field set to the instance's class.
+    JAX compares the tree structures of two dataclass pytree classes with the same fields by their static fields
+    alone (not their classes, though their hashes differ), so a subclass with an equal config could be handed the
+    compiled programs of its parent, as CI once saw a test's wrong rollback run with its sound parent's loop. The
+    base of Target and Drafter."""
 
-    config: Any = struct.field(pytree_node=False)
-    params: dict
     node_type: Any = struct.field(pytree_node=False, default=None, kw_only=True, repr=False)
 
     def __post_init__(self):
-        keep_class_in_tree(self)
+        object.__setattr__(self, "node_type", type(self))
+
+
+class Target(ClassKeyedNode, abc.ABC):
+    """A target model: `config` (static, hashable) and `params` (a plain pytree of arrays)."""
+
+    config: Any = struct.field(pytree_node=False)
+    params: dict
 
     @abc.abstractmethod
     def init_state(self, batch: int, capacity: int) -> Any:
@@ -101,11 +109,3 @@ def check_token_ids(token_ids, vocab_size: int) -> jax.Array:
 @jax.jit
 def _full_logits(target: Target, tokens: jax.Array) -> jax.Array:
     return target.logits(target.forward(tokens)[0])
-
-
-def keep_class_in_tree(node) -> None:
-    """Set `node.node_type` to its class. JAX compares the tree structures of two dataclass pytree classes with the
-    same fields by their static fields alone (not their classes, though their hashes differ), so a subclass with an
-    equal config could be handed the compiled programs of its parent, as CI once saw a test's wrong rollback run
-    with its sound parent's loop. A static field holding the class keeps the two trees, and their programs, apart."""
-    object.__setattr__(node, "node_type", type(node))
