@@ -96,6 +96,8 @@ class Tiles(NamedTuple):
 # 66.2 for the bf16 product; the same GEMV over a transposed `[N, K]` weight took 18.7 and 67.3 (the unrolled walk
 # pays, the layout does not matter). On a later lease (gemv_sweep_quick.json) wqkv / w_gate_up / w_down / wo took
 # 15.0 / 38.7 / 23.7 / 11.0 us against the padded row's 17.5 / 46.1 / 25.8 / 12.6: 88 us a layer against 102.
+# Without a K split (each program walking all of K for 32 to 128 columns, so no partial sums are written and summed
+# after the kernel) the int8 step took 2.8x to 8x longer on an H100 (bench/results/int8_gemv_no_split_h100.json).
 # DOT_TILES: the best of bench/quant.py --sweep on the H200 (bench/results/quant_sweep.json; geometric mean over wqkv
 # and w_down, int8 and q8_0), 23.5 us at 16 rows.
 GEMV_TILES = Tiles(block_n=256, block_k=16, programs=1056, num_warps=4, num_stages=1, unroll=True, evict=True)
