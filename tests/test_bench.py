@@ -478,3 +478,15 @@ def test_stacked_leaves_times_each_layout_and_xla_variant_of_one_model_and_they_
     assert forms["kv_stacked"]["leaves"] == 8 * layers + 2 + 1
     assert forms["per_layer"]["step_over_per_layer"] == 1.0
     assert all(r["step_s"] > 0 and r["noop_call_s"] > 0 for r in forms.values())
+
+
+def test_graph_capture_names_each_lowering_s_custom_call_and_times_every_chain(tmp_path):
+    import graph_capture
+
+    payload = graph_capture.main(["--tiny", "--reps", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "graph_capture_tiny.json").is_file()
+    known = {"triton": {"__gpu$xla.gpu.triton", "triton_kernel_call_ffi"}, "mosaic": {"mosaic_gpu_v2"}}
+    for lowering, targets in payload["custom_call_targets"].items():
+        assert len(targets) == 1 and targets[0] in known[lowering], f"{lowering} lowered to {targets}"
+    assert set(payload["chains"]) == {"pallas_triton", "pallas_mosaic", "xla"}
+    assert all(chain["us_per_kernel"] > 0 for chain in payload["chains"].values()), payload["chains"]
