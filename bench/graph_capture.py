@@ -3,11 +3,12 @@
 XLA records a loop body's kernels into CUDA graphs (its command buffers) and launches each graph once. A custom call
 joins a graph only if its handler says it may. JAX's Pallas Triton lowering has emitted two custom calls:
 `__gpu$xla.gpu.triton` (XLA compiles the Triton module itself: a kernel like its own fusions) and, in jaxlib after
-0.10.2, `triton_kernel_call_ffi` (JAX's own launcher, registered without XLA's command-buffer trait). If the latter
-keeps our kernels out of the graphs, every Pallas call cuts its layer's graph in two and is launched by the host, and
-a step with many short kernels waits on the host: the int8 target's step (five Pallas calls a layer) sat idle 1,446 of
-5,350 us on H100s where the bf16 step (one a layer, same kernel count) sat idle 826 of 6,749
-(`results/profile_round_int8_h100.json`, `run_all_h100/profile_round.json`); the 35B-A3B hybrid's, 2,610 of 6,094.
+0.10.2, `triton_kernel_call_ffi` (JAX's own launcher, whose registration in the sources we read declares no XLA
+command-buffer trait). If the latter keeps our kernels out of the graphs, every Pallas call cuts its layer's graph
+in two and is launched by the host, and a step with many short kernels waits on the host: the int8 target's step
+(five Pallas calls a layer) sat idle 1,446 of 5,350 us on H100s where the bf16 step (one a layer, same kernel count)
+sat idle 826 of 6,749 (`results/profile_round_int8_h100.json`, `run_all_h100/profile_round.json`); the 35B-A3B
+hybrid's, 2,610 of 6,094.
 
 This reports, for a tiny Pallas kernel lowered through Triton (as our kernels are) and through Mosaic GPU (as the
 `impl="mosaic"` ports are):
