@@ -10,9 +10,11 @@ in two and is launched by the host, and a step with many short kernels waits on 
 sat idle 826 of 6,749 (`results/profile_round_int8_h100.json`, `run_all_h100/profile_round.json`); the 35B-A3B
 hybrid's, 2,610 of 6,094.
 
-This reports, for a tiny Pallas kernel lowered through Triton (as our kernels are) and through Mosaic GPU (as the
-`impl="mosaic"` ports are):
-- `custom_call_targets`: the custom calls it lowers to for CUDA on this JAX (a CPU host can lower for CUDA);
+This reports, for a tiny Pallas kernel lowered through Triton as JAX lowers our kernels, through Triton forced to
+`__gpu$xla.gpu.triton` (this script's own lowering rule, on JAX internals: `triton_xla`), and through Mosaic GPU (as
+the `impl="mosaic"` ports are):
+- `custom_call_targets`: the custom calls it lowers to for CUDA on this JAX (a CPU host can lower for CUDA), and
+  `triton_lowering_choice`, the lines of JAX's Triton lowering that pick one;
 - `chains`: the device time per kernel of `--kernels` tiny dependent kernels run `--steps` times in one jitted loop,
   as Pallas kernels of each lowering and as XLA kernels (elementwise ops kept apart by optimisation barriers, so each
   is a kernel of its own). Kernels in a graph cost a launch gap of about a microsecond or two each; kernels the
@@ -24,11 +26,20 @@ This reports, for a tiny Pallas kernel lowered through Triton (as our kernels ar
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
+import io
 import re
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.pallas import core as pallas_core
+from jax._src.pallas.triton import core as triton_core
+from jax._src.pallas.triton import lowering as triton_lowering
+from jax._src.pallas.triton import pallas_call_registration as triton_registration
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -43,16 +54,58 @@ def _add_one(x_ref, o_ref):
     o_ref[...] = x_ref[...] + 1.0
 
 
-LOWERINGS = ("triton", "mosaic")
-"""The lowerings of `pallas_add_one`: Triton (our kernels' `_triton_compiler_params`) and Mosaic GPU (`plgpu.kernel`,
-as the `impl="mosaic"` ports are written)."""
+LOWERINGS = ("triton", "triton_xla", "mosaic")
+"""The lowerings of `pallas_add_one`: Triton as JAX lowers our kernels (`_triton_compiler_params`); Triton lowered to
+XLA's own `__gpu$xla.gpu.triton` whatever this JAX picks (`XlaTritonParams`); Mosaic GPU (`plgpu.kernel`, as the
+`impl="mosaic"` ports are written)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaTritonParams(triton_core.CompilerParams):
+    """Triton compiler params whose kernels `_xla_triton_lowering` lowers (Pallas picks a lowering rule by the
+    params' exact type)."""
+
+
+def _xla_triton_lowering(ctx, *in_nodes, jaxpr, debug, input_output_aliases, grid_mapping, compiler_params,
+                         **unused):
+    """A Pallas Triton kernel as the custom call `__gpu$xla.gpu.triton`, which XLA compiles itself, as jaxlib 0.10.2's
+    Pallas lowers every Triton kernel. JAX internals: this is a probe, not a path of the package."""
+    [platform] = ctx.platforms or ctx.module_context.platforms
+    try:
+        capability = int(str(jax.local_devices(backend="gpu")[0].compute_capability).replace(".", ""))
+    except RuntimeError:
+        capability = 90
+    module = triton_lowering.lower_jaxpr_to_triton_module(jaxpr, grid_mapping, platform, capability,
+                                                          mlir_ctx=ctx.module_context).module
+    grid = triton_registration.normalize_grid(grid_mapping.grid)
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    i32 = mlir.i32_attr
+    config = dict(name=ir.StringAttr.get(mlir.sanitize_name(jaxpr.debug_info.func_name)),
+                  ir=ir.StringAttr.get(buf.getvalue()), num_stages=i32(compiler_params.num_stages or 3),
+                  num_warps=i32(compiler_params.num_warps or 4), grid_x=i32(grid[0]), grid_y=i32(grid[1]),
+                  grid_z=i32(grid[2]), debug=ir.BoolAttr.get(debug))
+    out_types = [ir.RankedTensorType.get(b.array_aval.shape, mlir.dtype_to_ir_type(b.array_aval.dtype))
+                 for b in grid_mapping.block_mappings_output]
+    return mlir.custom_call(call_target_name="__gpu$xla.gpu.triton", result_types=out_types, operands=in_nodes,
+                            backend_config=config, api_version=4,
+                            operand_layouts=triton_registration.avals_to_layouts(ctx.avals_in),
+                            result_layouts=triton_registration.avals_to_layouts(ctx.avals_out),
+                            operand_output_aliases=dict(input_output_aliases)).results
+
+
+try:
+    pallas_core.register_lowering_rule(XlaTritonParams, _xla_triton_lowering, "gpu")
+except AttributeError as e:  # JAX internals moved: the `triton_xla` cells then record what their lowering raises
+    print(f"graph_capture: could not register the triton_xla lowering rule on this JAX: {e!r}")
 
 
 def pallas_add_one(x: jax.Array, lowering: str, interpret: bool) -> jax.Array:
     """One tiny Pallas kernel: `x + 1`, a single program, in `lowering`."""
-    if lowering == "triton":
+    if lowering != "mosaic":
+        params = _triton_compiler_params(4, 1) if lowering == "triton" else XlaTritonParams(num_warps=4, num_stages=1)
         return pl.pallas_call(_add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret,
-                              compiler_params=_triton_compiler_params(4, 1), name="graph_capture_add_one")(x)
+                              compiler_params=params, name="graph_capture_add_one")(x)
 
     def body(x_gmem, o_gmem):
         def scoped(smem, barrier):
@@ -84,10 +137,21 @@ def chain(step, kernels: int, steps: int):
 
 
 def custom_call_targets(lowering: str) -> list:
-    """The custom-call targets of one Pallas kernel in `lowering`, lowered for CUDA (which a CPU host can do)."""
-    lowered = jax.jit(lambda x: pallas_add_one(x, lowering, False)).trace(jnp.zeros((8, 128), jnp.float32))
-    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    """The custom-call targets of one Pallas kernel in `lowering`, lowered for CUDA (which a CPU host can do), or the
+    error that lowering raised on this JAX."""
+    traced = jax.jit(lambda x: pallas_add_one(x, lowering, False)).trace(jnp.zeros((8, 128), jnp.float32))
+    try:
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001 - the probe's own lowering rests on JAX internals that may have moved
+        return [f"error: {e!r:.500}"]
     return sorted({a or b for a, b in TARGETS.findall(text)})
+
+
+def lowering_choice_lines() -> list:
+    """The lines of this JAX's Pallas Triton lowering that name a custom call or test a version: how it picks."""
+    words = ("version", "call_target_name", "_ffi", "__gpu$")
+    lines = inspect.getsource(triton_registration).splitlines()
+    return [line.strip() for line in lines if any(w in line for w in words)]
 
 
 def main(argv=None) -> dict:
@@ -104,7 +168,8 @@ def main(argv=None) -> dict:
     kernels, steps = args.kernels, args.steps
     x = jnp.zeros((8, 128), jnp.float32)
     payload = common.environment(**vars(args)) | {
-        "custom_call_targets": {lowering: custom_call_targets(lowering) for lowering in LOWERINGS}, "chains": {}}
+        "custom_call_targets": {lowering: custom_call_targets(lowering) for lowering in LOWERINGS},
+        "triton_lowering_choice": lowering_choice_lines(), "chains": {}}
     steps_by_name = {f"pallas_{lowering}": (lambda y, lowering=lowering: pallas_add_one(y, lowering, interpret))
                      for lowering in LOWERINGS}
     for name, step in (*steps_by_name.items(), ("xla", xla_add_one)):

@@ -485,8 +485,11 @@ def test_graph_capture_names_each_lowering_s_custom_call_and_times_every_chain(t
 
     payload = graph_capture.main(["--tiny", "--reps", "1", "--out", str(tmp_path)])
     assert (tmp_path / "graph_capture_tiny.json").is_file()
-    known = {"triton": {"__gpu$xla.gpu.triton", "triton_kernel_call_ffi"}, "mosaic": {"mosaic_gpu_v2"}}
+    known = {"triton": {"__gpu$xla.gpu.triton", "triton_kernel_call_ffi"}, "triton_xla": {"__gpu$xla.gpu.triton"},
+             "mosaic": {"mosaic_gpu_v2"}}
+    assert set(payload["custom_call_targets"]) == set(known)
     for lowering, targets in payload["custom_call_targets"].items():
         assert len(targets) == 1 and targets[0] in known[lowering], f"{lowering} lowered to {targets}"
-    assert set(payload["chains"]) == {"pallas_triton", "pallas_mosaic", "xla"}
+    assert any("call_target_name" in line for line in payload["triton_lowering_choice"])
+    assert set(payload["chains"]) == {"pallas_triton", "pallas_triton_xla", "pallas_mosaic", "xla"}
     assert all(chain["us_per_kernel"] > 0 for chain in payload["chains"].values()), payload["chains"]
