@@ -20,7 +20,10 @@ the `impl="mosaic"` ports are):
   is a kernel of its own). Kernels in a graph cost a launch gap of about a microsecond or two each; kernels the
   host launches cost what the host takes to launch them, several microseconds.
 
-    python bench/graph_capture.py           # GPU: graph_capture.json
+With `--decode` it also times the Qwen3-8B-shaped plain decode step (bf16, and int8 weights) with every one of our
+Triton kernels lowered as JAX picks and forced to `__gpu$xla.gpu.triton`: the A/B that matters.
+
+    python bench/graph_capture.py --decode  # GPU: graph_capture.json
     python bench/graph_capture.py --tiny    # CPU smoke test (interpret mode): graph_capture_tiny.json
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
@@ -44,8 +48,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import common
+import dflash_jax
+import plain_decode
+from dflash_jax import quant
+from pallas_kernels import (dynamic_conv, expert_matmul, gated_delta, key_sums, quant_matmul, route_top_k,
+                            windowed_attention)
 from pallas_kernels.mosaic_gpu import interpret_params
 from pallas_kernels.windowed_attention import _triton_compiler_params
+
+KERNEL_MODULES = (windowed_attention, quant_matmul, expert_matmul, dynamic_conv, gated_delta, route_top_k, key_sums)
+"""The modules whose Triton kernels take their compiler params from `_triton_compiler_params`."""
 
 TARGETS = re.compile(r"custom_call_target\s*=\s*\"([^\"]+)\"|stablehlo\.custom_call\s*@([\w$.]+)")
 
@@ -75,11 +87,11 @@ def _xla_triton_lowering(ctx, *in_nodes, jaxpr, debug, input_output_aliases, gri
         capability = int(str(jax.local_devices(backend="gpu")[0].compute_capability).replace(".", ""))
     except RuntimeError:
         capability = 90
-    module = triton_lowering.lower_jaxpr_to_triton_module(jaxpr, grid_mapping, platform, capability,
-                                                          mlir_ctx=ctx.module_context).module
-    grid = triton_registration.normalize_grid(grid_mapping.grid)
+    lowered = triton_lowering.lower_jaxpr_to_triton_module(jaxpr, grid_mapping, platform, capability,
+                                                           mlir_ctx=ctx.module_context)
+    grid = triton_registration.normalize_grid(lowered.grid)
     buf = io.BytesIO()
-    module.operation.write_bytecode(buf)
+    lowered.module.operation.write_bytecode(buf)
     i32 = mlir.i32_attr
     config = dict(name=ir.StringAttr.get(mlir.sanitize_name(jaxpr.debug_info.func_name)),
                   ir=ir.StringAttr.get(buf.getvalue()), num_stages=i32(compiler_params.num_stages or 3),
@@ -103,7 +115,7 @@ except AttributeError as e:  # JAX internals moved: the `triton_xla` cells then 
 def pallas_add_one(x: jax.Array, lowering: str, interpret: bool) -> jax.Array:
     """One tiny Pallas kernel: `x + 1`, a single program, in `lowering`."""
     if lowering != "mosaic":
-        params = _triton_compiler_params(4, 1) if lowering == "triton" else XlaTritonParams(num_warps=4, num_stages=1)
+        params = (_triton_compiler_params if lowering == "triton" else forced_xla_triton)(4, 1)
         return pl.pallas_call(_add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret,
                               compiler_params=params, name="graph_capture_add_one")(x)
 
@@ -136,15 +148,62 @@ def chain(step, kernels: int, steps: int):
     return jax.jit(lambda x: lax.fori_loop(0, steps, body, x))
 
 
-def custom_call_targets(lowering: str) -> list:
-    """The custom-call targets of one Pallas kernel in `lowering`, lowered for CUDA (which a CPU host can do), or the
-    error that lowering raised on this JAX."""
-    traced = jax.jit(lambda x: pallas_add_one(x, lowering, False)).trace(jnp.zeros((8, 128), jnp.float32))
+def lowered_targets(fn, *args) -> list:
+    """The custom-call targets of `fn(*args)` lowered for CUDA (which a CPU host can do), or the error that lowering
+    raised on this JAX."""
     try:
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     except Exception as e:  # noqa: BLE001 - the probe's own lowering rests on JAX internals that may have moved
         return [f"error: {e!r:.500}"]
     return sorted({a or b for a, b in TARGETS.findall(text)})
+
+
+def custom_call_targets(lowering: str) -> list:
+    """The custom-call targets of one Pallas kernel in `lowering`, lowered for CUDA."""
+    return lowered_targets(lambda x: pallas_add_one(x, lowering, False), jnp.zeros((8, 128), jnp.float32))
+
+
+def forced_xla_triton(num_warps: int, num_stages: int) -> XlaTritonParams:
+    """What `_triton_compiler_params` gives our kernels under `kernels_lowered("triton_xla")`."""
+    return XlaTritonParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def kernels_lowered(lowering: str) -> None:
+    """Every kernel module of `pallas_kernels` lowers its Triton kernels as JAX picks ("triton") or forced to
+    `__gpu$xla.gpu.triton` ("triton_xla"), by rebinding the params factory each one imported; compiled programs are
+    cleared, so the next call traces afresh."""
+    factory = _triton_compiler_params if lowering == "triton" else forced_xla_triton
+    for module in KERNEL_MODULES:
+        module._triton_compiler_params = factory
+    jax.clear_caches()
+
+
+def decode_steps(tiny: bool) -> list:
+    """The plain decode step (batch 1; prompt 512 and 128 new tokens, tiny 16 and 8) of the bf16 target and of its
+    int8 weights, with our Triton kernels lowered each way in turn; the tokens must not change."""
+    cfg, dtype = (common.TINY, jnp.float32) if tiny else (common.QWEN3_8B, jnp.bfloat16)
+    prompt, new = (16, 8) if tiny else (512, 128)
+    bf16 = common.random_target(cfg, dtype)
+    prompts = np.random.RandomState(0).randint(0, cfg.vocab_size - 2, (1, prompt))
+    cells = []
+    for precision in ("bf16", "int8"):
+        target = bf16 if precision == "bf16" else bf16.replace(params=quant.quantize_params(bf16.params, "int8",
+                                                                                             xp=jnp))
+        tokens = None
+        for lowering in ("triton", "triton_xla"):
+            kernels_lowered(lowering)
+            try:
+                res = plain_decode.measure(target, 1, prompt, new, "pallas", 2)
+                out = dflash_jax.generate(target, None, prompts, max_new_tokens=new, impl="pallas").tokens[0]
+            except Exception as e:  # noqa: BLE001 - a lowering this JAX cannot compile is recorded
+                res, out = {"error": repr(e)[:2000]}, None
+            tokens = tokens if tokens is not None else out
+            cells.append({"precision": precision, "lowering": lowering, **res,
+                          "same_tokens": out is not None and out == tokens})
+            print(f"decode {precision} {lowering}: {res.get('decode_step_s', float('nan')) * 1e3:.3f} ms a step",
+                  flush=True)
+    kernels_lowered("triton")
+    return cells
 
 
 def lowering_choice_lines() -> list:
@@ -160,6 +219,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernels", type=int, default=None, help="kernels per loop iteration (default 200; tiny 4)")
     ap.add_argument("--steps", type=int, default=None, help="loop iterations (default 50; tiny 2)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--decode", action="store_true",
+                    help="also time the Qwen3-8B-shaped plain decode step, bf16 and int8, with our Triton kernels "
+                         "lowered as JAX picks and forced to __gpu$xla.gpu.triton")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     interpret = args.tiny or jax.default_backend() != "gpu"
@@ -183,6 +245,8 @@ def main(argv=None) -> dict:
             raise AssertionError(f"graph_capture: the {name} chain computed {float(y[0, 0])}, not {kernels * steps}")
         payload["chains"][name] = {"seconds": seconds, "us_per_kernel": seconds / (kernels * steps) * 1e6}
         print(f"{name}: {payload['chains'][name]['us_per_kernel']:.2f} us a kernel", flush=True)
+    if args.decode:
+        payload["decode"] = decode_steps(args.tiny)
     print(f"custom calls of a Pallas kernel, by lowering: {payload['custom_call_targets']}")
     common.write_json(f"graph_capture{'_tiny' if args.tiny else ''}.json", payload, args.out)
     return payload

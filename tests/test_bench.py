@@ -4,6 +4,7 @@ Speed is never asserted here. What is: every benchmark writes its JSON, speculat
 plain decoding, nothing compiles after warm-up, and injected acceptance lands where it was set.
 """
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -483,7 +484,7 @@ def test_stacked_leaves_times_each_layout_and_xla_variant_of_one_model_and_they_
 def test_graph_capture_names_each_lowering_s_custom_call_and_times_every_chain(tmp_path):
     import graph_capture
 
-    payload = graph_capture.main(["--tiny", "--reps", "1", "--out", str(tmp_path)])
+    payload = graph_capture.main(["--tiny", "--decode", "--reps", "1", "--out", str(tmp_path)])
     assert (tmp_path / "graph_capture_tiny.json").is_file()
     known = {"triton": {"__gpu$xla.gpu.triton", "triton_kernel_call_ffi"}, "triton_xla": {"__gpu$xla.gpu.triton"},
              "mosaic": {"mosaic_gpu_v2"}}
@@ -493,3 +494,28 @@ def test_graph_capture_names_each_lowering_s_custom_call_and_times_every_chain(t
     assert any("call_target_name" in line for line in payload["triton_lowering_choice"])
     assert set(payload["chains"]) == {"pallas_triton", "pallas_triton_xla", "pallas_mosaic", "xla"}
     assert all(chain["us_per_kernel"] > 0 for chain in payload["chains"].values()), payload["chains"]
+    cells = {(c["precision"], c["lowering"]): c for c in payload["decode"]}
+    assert set(cells) == {(p, lowering) for p in ("bf16", "int8") for lowering in ("triton", "triton_xla")}
+    assert all(c["same_tokens"] and "error" not in c for c in cells.values()), payload["decode"]
+
+
+def test_graph_capture_forces_our_own_kernels_to_xla_s_triton_call_and_back():
+    import graph_capture
+    from pallas_kernels import quant_matmul, windowed_attention
+
+    q = jnp.zeros((1, 4, 4, 16), jnp.float32)
+    kv = jnp.zeros((1, 64, 2, 16), jnp.float32)
+    attend = functools.partial(windowed_attention.block_attention, scale=0.25, impl="pallas", interpret=False)
+    data, scales = jnp.zeros((64, 32), jnp.int8), jnp.ones((1, 32), jnp.float32)
+    gemv = functools.partial(quant_matmul.quant_matmul, fmt="int8", impl="pallas", interpret=False)
+    cases = ((attend, q, kv, kv, jnp.full((1,), 8, jnp.int32), q[:, :, :2], q[:, :, :2]),
+             (gemv, jnp.zeros((1, 64), jnp.float32), data, scales))
+    try:
+        graph_capture.kernels_lowered("triton_xla")
+        assert all(m._triton_compiler_params is graph_capture.forced_xla_triton for m in graph_capture.KERNEL_MODULES)
+        for fn, *args in cases:
+            assert graph_capture.lowered_targets(fn, *args) == ["__gpu$xla.gpu.triton"], fn
+    finally:
+        graph_capture.kernels_lowered("triton")
+    assert all(m._triton_compiler_params is windowed_attention._triton_compiler_params
+               for m in graph_capture.KERNEL_MODULES)
