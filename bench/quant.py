@@ -159,7 +159,8 @@ def rank(results: list) -> dict:
 def head_variants(target, drafter, heads) -> dict:
     """`{head: drafter}` for each of `heads` ("copy", "target"), keyed by what the drafter holds: its copy's
     format, or "target" (a drafter whose precision makes no copy appears once). A cell's `head_read` says what
-    its proposals read: past 64 draft rows a drafter reads the target's head (`Drafter.reads_head_copy`)."""
+    its proposals read: past `quant_matmul.MAX_ROWS` draft rows a drafter reads the target's head
+    (`Drafter.reads_head_copy`)."""
     out = {}
     for head in heads:
         d = drafter.with_head(target, head == "copy", env={}, xp=jnp)

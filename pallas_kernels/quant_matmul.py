@@ -341,7 +341,7 @@ def _pallas_matmul(x, data, scales, *, fmt: str, compute, interpret: bool, tiles
     k_tiles = k // bk
     m_tiles, n_tiles = -(-m // bm), n // bn
     if k_splits is None:
-        k_splits = _largest_divisor(k_tiles, -(-tiles.programs // (n_tiles * m_tiles)))
+        k_splits = _largest_divisor(k_tiles, -(-tiles.programs // n_tiles))
     if k_tiles % k_splits:
         raise ValueError(f"quant_matmul: k_splits={k_splits} does not divide the {k_tiles} K tiles of {bk}.")
     ks = k // k_splits

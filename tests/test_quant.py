@@ -283,6 +283,12 @@ def test_rows_past_the_kernel_and_untileable_widths_take_the_reference():
     data, scales = _random_packed(rng, 64, 32, "int8")
     text = jax.jit(lambda a: qmm.quant_matmul(a, data, scales, "int8", impl="pallas")).lower(big).as_text()
     assert "pallas" not in text and "interpret" not in text.lower()
+    for fmt in qmm.FORMATS:
+        data, scales = _random_packed(rng, 64, 32, fmt)
+        looped = lambda m: "stablehlo.while" in jax.jit(  # the interpreted kernel walks its grid; the reference cannot
+            lambda a: qmm.quant_matmul(a, data, scales, fmt, impl="pallas")).lower(jnp.zeros((m, 64))).as_text()
+        assert looped(qmm.MAX_ROWS), f"{fmt}: {qmm.MAX_ROWS} rows did not take the kernel"
+        assert not looped(qmm.MAX_ROWS + 1), f"{fmt}: rows past the kernel took it"
 
 
 @pytest.mark.parametrize("args, match", [
